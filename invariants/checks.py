@@ -1,0 +1,204 @@
+"""Checkers for the invariants I1-I6 and S1-S4 (see proofs_notes/ and DESIGN).
+
+Every checker takes NumPy arrays or torch tensors and returns a list of `Violation`s (empty when
+the invariant holds); none of them asserts. They are written from the statements of the
+invariants, independently of the engines they check, so they can judge any engine.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .violations import Violation, as_numpy
+
+MASKED_BELOW = -1.0  # an additive float mask entry below this hides the slot
+
+
+def allowed_from_mask(mask) -> np.ndarray:
+    """Bool [.., Q, S] from a bool mask or an additive float mask (0 visible, very negative hidden)."""
+    m = as_numpy(mask)
+    return m if m.dtype == bool else m > MASKED_BELOW
+
+
+def check_alignment(pad_len, content_len, width: int) -> list[Violation]:
+    """I1: in a rectangular layout pad_len + content_len == L for every row."""
+    pad_len, content_len = as_numpy(pad_len), as_numpy(content_len)
+    return [Violation("I1", "pad_len + content_len != batch width", row=i, expected=width,
+                      actual=int(pad_len[i] + content_len[i]))
+            for i in np.nonzero(pad_len + content_len != width)[0]]
+
+
+def check_positions(position_ids, query_index) -> list[Violation]:
+    """I2: the position id of a query holding content index j is exactly j (pad queries: any)."""
+    pos, idx = as_numpy(position_ids), as_numpy(query_index)
+    bad = (idx >= 0) & (pos != idx)
+    return [Violation("I2", "position id differs from the content index", row=int(i), index=int(idx[i, q]),
+                      expected=int(idx[i, q]), actual=int(pos[i, q])) for i, q in zip(*np.nonzero(bad))]
+
+
+def expected_visibility(query_index, slot_index, window: int | None = None) -> np.ndarray:
+    """What I4 demands: query q sees the slots holding content max(0, q-W+1)..q of its own row."""
+    q, s = as_numpy(query_index)[:, :, None], as_numpy(slot_index)[:, None, :]
+    visible = (s >= 0) & (s <= q) & (q >= 0)
+    if window is not None:
+        visible &= s > q - window
+    return visible
+
+
+def check_mask(mask, query_index, slot_index, window: int | None = None) -> list[Violation]:
+    """I4 on a mask [B, Q, S] (or [B, 1, Q, S]): exactly content 0..q of the row, nothing else.
+
+    query_index: [B, Q] content index of each query (negative: a pad query, not checked).
+    slot_index: [B, S] content index each slot holds for this forward (negative: pad or stale).
+    """
+    allowed = allowed_from_mask(mask)
+    if allowed.ndim == 4:
+        allowed = allowed[:, 0]
+    want = expected_visibility(query_index, slot_index, window)
+    real = as_numpy(query_index)[:, :, None] >= 0
+    bad = (allowed != want) & real
+    out = []
+    for i, q, s in zip(*np.nonzero(bad)):
+        what = "sees a slot it must not" if allowed[i, q, s] else "cannot see a slot of its own prefix"
+        out.append(Violation("I4", f"query {int(as_numpy(query_index)[i, q])} {what} (slot {int(s)})",
+                             row=int(i), index=int(s), expected=bool(want[i, q, s]), actual=bool(allowed[i, q, s])))
+    return out
+
+
+def check_kv(keys, slot_index, valid_len, recompute: Callable[[int], np.ndarray], rows: Iterable[int] | None = None,
+             rtol: float = 1e-4, atol: float = 1e-5, name: str = "cache") -> list[Violation]:
+    """I3: every visible slot of row i holds the K (or V) of its content index, as a fresh unpadded
+    prefill computes it. keys: [B, S, ...]; slot_index: [B, S]; valid_len[i]: content indices
+    0..valid_len-1 must be present; recompute(i) -> [T, ...] for row i. Returns one violation per
+    row at its first wrong slot."""
+    keys, slot_index, valid_len = as_numpy(keys), as_numpy(slot_index), as_numpy(valid_len)
+    out = []
+    for i in (range(keys.shape[0]) if rows is None else rows):
+        fresh = as_numpy(recompute(i))
+        idx = slot_index[i]
+        present = sorted(int(j) for j in idx[(idx >= 0) & (idx < valid_len[i])])
+        if present != list(range(int(valid_len[i]))):
+            out.append(Violation("I3", f"{name}: the slots do not hold content 0..{int(valid_len[i]) - 1} once each",
+                                 row=i, expected=int(valid_len[i]), actual=len(present)))
+            continue
+        for s in np.nonzero((idx >= 0) & (idx < valid_len[i]))[0]:
+            j = int(idx[s])
+            if not np.allclose(keys[i, s], fresh[j], rtol=rtol, atol=atol):
+                err = float(np.max(np.abs(keys[i, s] - fresh[j])))
+                out.append(Violation("I3", f"{name}: slot {int(s)} does not hold the K/V of content {j}",
+                                     row=i, index=j, expected="fresh prefill value", actual=f"max abs error {err:.3g}"))
+                break
+    return out
+
+
+def check_round_commit(drafted, choice, limit, accepted, committed, remaining, eos_ids) -> list[Violation]:
+    """I5 and I6 for one greedy round, row by row.
+
+    I5: accepted = length of the agreeing prefix of drafts and target choices (at most limit);
+    the committed tokens are the target's choices choice[:n]. I6: n = min(accepted + 1, remaining,
+    first EOS among the new tokens + 1).
+    """
+    drafted, choice = as_numpy(drafted), as_numpy(choice)
+    eos = set(int(e) for e in eos_ids)
+    out = []
+    for i in range(choice.shape[0]):
+        lim, acc = int(as_numpy(limit)[i]), int(as_numpy(accepted)[i])
+        want_acc = 0
+        while want_acc < lim and drafted[i, want_acc] == choice[i, want_acc]:
+            want_acc += 1
+        if acc != want_acc:
+            out.append(Violation("I5", "accepted count is not the agreeing prefix of drafts and target choices",
+                                 row=i, index=want_acc, expected=want_acc, actual=acc))
+            continue
+        want = choice[i, : min(acc + 1, int(as_numpy(remaining)[i]))].tolist()
+        for j, token in enumerate(want):
+            if token in eos:
+                want = want[: j + 1]
+                break
+        got = list(committed[i])
+        if got != want:
+            j = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            inv = "I6" if len(got) > len(want) and got[: len(want)] == want else "I5"  # kept past the stop
+            out.append(Violation(inv, "committed tokens differ from the target's choices under the stop rule",
+                                 row=i, index=j, expected=want, actual=got))
+    return out
+
+
+def check_stop(sequence, eos_ids, max_new_tokens: int, request: int | None = None) -> list[Violation]:
+    """I6 on a finished request: it ends at its first EOS (kept) or at exactly max_new_tokens."""
+    seq = [int(t) for t in as_numpy(sequence).reshape(-1)]
+    eos = set(int(e) for e in eos_ids)
+    first = next((j for j, t in enumerate(seq) if t in eos), None)
+    if first is not None and first != len(seq) - 1:
+        return [Violation("I6", "tokens follow the first EOS", row=request, index=first + 1,
+                          expected=first + 1, actual=len(seq))]
+    if len(seq) > max_new_tokens:
+        return [Violation("I6", "more tokens than max_new_tokens", row=request, index=max_new_tokens,
+                          expected=max_new_tokens, actual=len(seq))]
+    if first is None and len(seq) != max_new_tokens:
+        return [Violation("I6", "stopped before max_new_tokens without an EOS", row=request, index=len(seq),
+                          expected=max_new_tokens, actual=len(seq))]
+    return []
+
+
+def check_outputs(sequences, oracle) -> list[Violation]:
+    """I5 end to end: each request's tokens equal the oracle's (target-only greedy at batch 1)."""
+    out = []
+    for r, (got, want) in enumerate(zip(sequences, oracle)):
+        got, want = [int(t) for t in got], [int(t) for t in want]
+        if got != want:
+            j = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            out.append(Violation("I5", "output differs from target-only greedy decoding", row=r, index=j,
+                                 expected=want[j] if j < len(want) else "end", actual=got[j] if j < len(got) else "end"))
+    if len(sequences) != len(oracle):
+        out.append(Violation("S1", "number of results differs from number of requests",
+                             expected=len(oracle), actual=len(sequences)))
+    return out
+
+
+def check_conservation(requests: Iterable[int], members: dict) -> list[Violation]:
+    """S1: each request is in exactly one of queue, pool, running, done."""
+    seen: dict = {}
+    for place, ids in members.items():
+        for r in ids:
+            seen.setdefault(int(r), []).append(place)
+    out = []
+    for r in requests:
+        places = seen.pop(int(r), [])
+        if len(places) != 1:
+            out.append(Violation("S1", f"request is in {len(places)} places {places}", row=int(r), expected=1,
+                                 actual=len(places)))
+    for r, places in seen.items():
+        out.append(Violation("S1", f"unknown request found in {places}", row=r))
+    return out
+
+
+def check_order(returned_ids, expected_ids) -> list[Violation]:
+    """S2: results come back in input order with their request ids."""
+    got, want = [int(x) for x in returned_ids], [int(x) for x in expected_ids]
+    if got == want:
+        return []
+    j = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return [Violation("S2", "results are not in input order", index=j,
+                      expected=want[j] if j < len(want) else "end", actual=got[j] if j < len(got) else "end")]
+
+
+def check_liveness(waits: dict, bound: int, unfinished: Iterable[int] = ()) -> list[Violation]:
+    """S3: no runnable request waited more than `bound` consecutive rounds; none is left unfinished."""
+    out = [Violation("S3", "request waited too many rounds", row=int(r), expected=f"<= {bound}", actual=int(w))
+           for r, w in waits.items() if w > bound]
+    out += [Violation("S3", "request never finished", row=int(r)) for r in unfinished]
+    return out
+
+
+def check_composition(outputs, baseline, label: str = "") -> list[Violation]:
+    """S4: a request's output does not depend on its neighbours, batch size or strategy."""
+    out = []
+    for r, (got, want) in enumerate(zip(outputs, baseline)):
+        got, want = [int(t) for t in got], [int(t) for t in want]
+        if got != want:
+            j = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            out.append(Violation("S4", f"output changed with the composition {label}".strip(), row=r, index=j,
+                                 expected=want[j] if j < len(want) else "end", actual=got[j] if j < len(got) else "end"))
+    return out

@@ -1,0 +1,154 @@
+"""The trace format, its writer, and `check_trace`, which validates a trace from any engine.
+
+A trace is JSONL:
+
+1. header: {"trace": "specbatch", "version": 1, "layout": "rectangular" | "ragged",
+   "strategy": str, "eos_token_ids": [int], "max_new_tokens": int, "num_requests": int,
+   "window": int | null}
+2. one line per round: {"round": r, "rows": [row, ...]} with, per row of the verify forward:
+   request (id), prompt_len, tokens (the row as laid out: pads included for rectangular, the
+   content for ragged), pad_len (0 for ragged), content_len (before the commit), positions
+   (position ids of the verify queries), mask (one string of '0'/'1' per verify query over the
+   KV slots), drafted (k ints), target_argmax (k + 1 ints), draft_limit (row's clamp of k),
+   accepted, committed (the tokens committed this round), finished (bool).
+3. last line: {"results": [{"request": id, "tokens": [int], "stop_reason": "eos" | "length"}]}
+
+KV slot s of a row holds content index s - pad_len (rectangular: columns; ragged: pad_len = 0).
+The checker derives everything it expects from lengths, never from token values.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .checks import check_alignment, check_mask, check_positions, check_round_commit, check_stop
+from .violations import Violation
+
+TRACE_VERSION = 1
+
+
+class TraceError(Exception):
+    """The trace cannot be read (missing file, bad JSON, missing fields)."""
+
+
+class TraceWriter:
+    """Writes a trace line by line (flushed, so a crash keeps the rounds already done)."""
+
+    def __init__(self, path, *, layout: str, strategy: str, eos_token_ids, max_new_tokens: int,
+                 num_requests: int, window: int | None = None):
+        self.file = open(path, "w")
+        self._write({"trace": "specbatch", "version": TRACE_VERSION, "layout": layout, "strategy": strategy,
+                     "eos_token_ids": [int(e) for e in eos_token_ids], "max_new_tokens": int(max_new_tokens),
+                     "num_requests": int(num_requests), "window": window})
+
+    def _write(self, obj) -> None:
+        self.file.write(json.dumps(obj) + "\n")
+        self.file.flush()
+
+    def round(self, index: int, rows: list[dict]) -> None:
+        self._write({"round": index, "rows": rows})
+
+    def results(self, sequences, stop_reasons) -> None:
+        self._write({"results": [{"request": i, "tokens": [int(t) for t in s], "stop_reason": r}
+                                 for i, (s, r) in enumerate(zip(sequences, stop_reasons))]})
+        self.file.close()
+
+
+def mask_strings(allowed: np.ndarray) -> list[str]:
+    """Encode a bool [Q, S] mask as one '0'/'1' string per query."""
+    return ["".join("1" if a else "0" for a in row) for row in np.asarray(allowed)]
+
+
+def read_trace(path) -> tuple[dict, list[dict], dict | None]:
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"{path}: no such file")
+    header, rounds, results = None, [], None
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TraceError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+                if header is None:
+                    if obj.get("trace") != "specbatch":
+                        raise TraceError(f"{path}:{number}: not a specbatch trace (no header line)")
+                    header = obj
+                elif "round" in obj:
+                    rounds.append(obj)
+                elif "results" in obj:
+                    results = obj
+                else:
+                    raise TraceError(f"{path}:{number}: line is neither a round nor the results")
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not a text file") from None
+    if header is None:
+        raise TraceError(f"{path}: empty trace")
+    return header, rounds, results
+
+
+def _check_row(header: dict, row: dict) -> list[Violation]:
+    layout = header["layout"]
+    tokens, pad, content = row["tokens"], int(row["pad_len"]), int(row["content_len"])
+    out = []
+    if layout == "rectangular":
+        out += check_alignment([pad], [content], len(tokens))
+    query_index = np.array([content - 1 + q for q in range(len(row["positions"]))])[None]
+    out += check_positions(np.array([row["positions"]]), query_index)
+    mask = np.array([[c == "1" for c in m] for m in row["mask"]], dtype=bool)[None]
+    slot_index = (np.arange(mask.shape[2]) - pad)[None]
+    out += check_mask(mask, query_index, slot_index, header.get("window"))
+    remaining = int(row["prompt_len"]) + int(header["max_new_tokens"]) - content
+    out += check_round_commit(np.array([row["drafted"]], dtype=np.int64).reshape(1, -1),
+                              np.array([row["target_argmax"]]), [row["draft_limit"]], [row["accepted"]],
+                              [row["committed"]], [remaining], header["eos_token_ids"])
+    return [Violation(v.invariant, v.message, row=row["request"], index=v.index, expected=v.expected,
+                      actual=v.actual) for v in out]
+
+
+def check_trace(path) -> list[Violation]:
+    """All violations in a trace, in order (round by round; final results last).
+
+    Raises TraceError when the file cannot be read as a trace."""
+    header, rounds, results = read_trace(path)
+    eos = header["eos_token_ids"]
+    content: dict = {}  # request -> content after its last round
+    generated: dict = {}  # request -> tokens committed so far
+    finished: set = set()
+    out: list[Violation] = []
+    try:
+        for rnd in rounds:
+            for row in rnd["rows"]:
+                req = row["request"]
+                found = [v.at_round(rnd["round"]) for v in _check_row(header, row)]
+                now = row["tokens"][int(row["pad_len"]):][: int(row["content_len"])]
+                if req in finished:
+                    found.append(Violation("I6", "a finished request is still decoded", row=req, round=rnd["round"]))
+                elif req in content and content[req] != now:
+                    found.append(Violation("I5", "row content is not the previous content plus the committed tokens",
+                                           row=req, round=rnd["round"], expected=content[req], actual=now))
+                out += found
+                content[req] = now + list(row["committed"])
+                generated[req] = generated.get(req, []) + list(row["committed"])
+                if row.get("finished"):
+                    finished.add(req)
+    except (KeyError, TypeError, ValueError) as e:
+        raise TraceError(f"{path}: malformed round line ({type(e).__name__}: {e})") from None
+    if results is None:
+        return out + [Violation("S1", "the trace has no results line")]
+    returned = [r["request"] for r in results["results"]]
+    if returned != list(range(header["num_requests"])):
+        out.append(Violation("S2", "results are not all requests in input order",
+                             expected=list(range(header["num_requests"])), actual=returned))
+    for r in results["results"]:
+        req, tokens = r["request"], r["tokens"]
+        out += check_stop(tokens, eos, header["max_new_tokens"], request=req)
+        if req in generated and generated[req] != tokens:
+            out.append(Violation("I5", "result differs from the tokens committed in the rounds", row=req,
+                                 expected=generated[req], actual=tokens))
+    return out
