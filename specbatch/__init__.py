@@ -1,2 +1,17 @@
-"""specbatch: batch speculative decoding that is provably output-equivalent."""
+"""specbatch: batch speculative decoding that is provably output-equivalent.
+
+`specbatch.generate` (torch engine), `specbatch.reference` (NumPy reference), `specbatch.invariants`
+(checkers and trace format), `specbatch.fast` (the torch engine's parts).
+"""
 __version__ = "0.1.0"
+__all__ = ["generate", "GenerationResult", "STRATEGIES"]
+
+
+def __getattr__(name):  # import torch only when the torch engine is used
+    if name in ("generate", "STRATEGIES"):
+        from . import api
+        return getattr(api, name)
+    if name == "GenerationResult":
+        from .fast.engine import GenerationResult
+        return GenerationResult
+    raise AttributeError(f"module 'specbatch' has no attribute {name!r}")

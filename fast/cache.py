@@ -1,0 +1,59 @@
+"""Masks, positions and cache edits for the rectangular (left-padded) layout, vectorized.
+
+Everything is derived from per-row pad lengths (I1: pad_len + content_len = L), never from token
+values. The realignment of the EQSPEC update is one gather per cache tensor
+(reference.rounds.realign_source is its NumPy twin).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def layout_index(pad_len: torch.Tensor, columns: int) -> torch.Tensor:
+    """Content index held by each column of each row, [B, columns]; negative on padding."""
+    return torch.arange(columns, device=pad_len.device)[None, :] - pad_len[:, None]
+
+
+def rect_inputs(pad_len: torch.Tensor, first_col: int, num_cols: int, window: int | None, dtype, fill: float):
+    """Position ids [B, Q] and the 4D additive mask [B, 1, Q, first_col + Q] for the query columns
+    first_col .. first_col + Q - 1 of a left-padded batch whose cache covers [0, first_col).
+
+    I2: position = content index (0 on pad queries, which nothing reads). I4: a query of content
+    index q sees the slots holding content max(0, q - W + 1) .. q of its own row."""
+    slot = layout_index(pad_len, first_col + num_cols)
+    query = slot[:, first_col:]
+    visible = (slot[:, None, :] >= 0) & (slot[:, None, :] <= query[:, :, None])
+    if window is not None:
+        visible &= slot[:, None, :] > query[:, :, None] - window
+    mask = torch.zeros(visible.shape, dtype=dtype, device=pad_len.device).masked_fill_(~visible, fill)
+    return query.clamp(min=0), mask[:, None]
+
+
+def cache_layers(cache: DynamicCache):
+    """The initialised layers of a transformers 5.x cache (keys/values [B, H, S, D])."""
+    return [layer for layer in cache.layers if getattr(layer, "is_initialized", True) and layer.keys is not None]
+
+
+def cache_width(cache: DynamicCache) -> int:
+    layers = cache_layers(cache)
+    return int(layers[0].keys.shape[-2]) if layers and layers[0].keys.dim() == 4 else 0
+
+
+def gather_cache(cache: DynamicCache, rows: torch.Tensor | None, source: torch.Tensor | None, width: int) -> None:
+    """Keep `rows` (None: all) and, per row, the sequence slots `source[:, :width]` (None: the first
+    `width` slots, a crop). One indexing op per cache tensor; a pure crop is a view (no copy)."""
+    for layer in cache_layers(cache):
+        if width == 0 or layer.keys.dim() != 4:  # nothing cached: an empty tensor fits any batch size
+            layer.keys, layer.values = layer.keys.new_empty(0), layer.values.new_empty(0)
+        elif source is None:
+            keys, values = layer.keys[..., :width, :], layer.values[..., :width, :]
+            if rows is not None:
+                keys, values = keys[rows], values[rows]
+        else:
+            index = source[:, :width]
+            batch = (rows if rows is not None else torch.arange(index.shape[0], device=index.device))[:, None]
+            # [B, H, S, D] -> pick (row, slot) pairs -> [B', width, H, D] -> back to [B', H, width, D]
+            keys = layer.keys.transpose(1, 2)[batch, index].transpose(1, 2)
+            values = layer.values.transpose(1, 2)[batch, index].transpose(1, 2)
+        layer.keys, layer.values = keys, values

@@ -1,0 +1,108 @@
+"""Hugging Face causal LMs as specbatch uses them: checks on a (target, draft) pair, the forward
+call with explicit positions and a 4D mask, EOS ids, context limits and attention windows."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def cache_argument(model) -> str:
+    """The forward's cache keyword: `cache` in transformers >= 5.x, `past_key_values` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class ModelRunner:
+    """Calls one model with input ids, explicit position ids, a 4D additive mask and a cache.
+
+    Counts the token positions it processes (the work counters in the stats)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache_kw = cache_argument(model)
+        self.tokens_processed = 0
+
+    def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False):
+        self.tokens_processed += input_ids.numel()
+        kwargs = {self.cache_kw: cache}
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        with torch.inference_mode():
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                             **kwargs)
+        return out.logits
+
+
+def vocab_size(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def context_limit(model) -> int | None:
+    """Longest sequence the model's position encoding supports, where the config says."""
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def attention_window(model) -> tuple[int | None, bool]:
+    """(window, uniform): the sliding attention window, and whether every layer uses it.
+
+    specbatch applies a uniform window by position in its own mask (I4); a model that mixes full
+    and sliding layers is refused when sequences outgrow the window."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return None, True
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return window, True
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if not any(sliding):
+        return None, True
+    return window, all(sliding)
+
+
+def eos_ids_of(model, eos_token_id=None) -> tuple[int, ...]:
+    """EOS ids: the argument (int or list), else every id in target.generation_config/config."""
+    if eos_token_id is None:
+        for source in (getattr(model, "generation_config", None), model.config):
+            eos_token_id = getattr(source, "eos_token_id", None) if source is not None else None
+            if eos_token_id is not None:
+                break
+    if eos_token_id is None:
+        return ()
+    if isinstance(eos_token_id, int):
+        return (eos_token_id,)
+    return tuple(int(e) for e in eos_token_id)
+
+
+def mask_fill_value(dtype: torch.dtype) -> float:
+    """The additive score for a hidden slot: very negative but finite, so a fully masked pad query
+    stays finite (no NaN reaches visible slots) and float64 eager attention, whose softmax runs in
+    float32, does not overflow."""
+    base = torch.float32 if dtype in (torch.float32, torch.float64) else dtype
+    return torch.finfo(base).min / 2
+
+
+def check_pair(target, draft, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """Refuse a (target, draft) pair that cannot be verified token by token, naming the problem."""
+    for name, model in (("target", target), ("draft", draft)):
+        if model is None:
+            continue
+        if "position_ids" not in inspect.signature(model.forward).parameters:
+            raise ValueError(f"{name} model {type(model).__name__} does not accept position_ids; specbatch needs "
+                             "explicit positions for padded and ragged batches")
+    if draft is None:
+        return
+    if vocab_size(target) != vocab_size(draft):
+        raise ValueError(f"target and draft vocabularies differ: target has {vocab_size(target)} output tokens, "
+                         f"draft has {vocab_size(draft)}")
+    if target.device != draft.device:
+        raise ValueError(f"target is on {target.device} but draft is on {draft.device}; put both on one device")
+    if target_tokenizer is not None and draft_tokenizer is not None \
+            and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError("target and draft tokenizers have different vocabularies")

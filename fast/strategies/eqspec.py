@@ -1,0 +1,182 @@
+"""EQSPEC: a left-padded rectangular batch, realigned after every round (unpad, append, repad).
+
+State per batch: token ids [B, L] and per-row content lengths (pad_len = L - content_len, I1),
+the target cache covering columns [0, L - 1) (the pending token is column L - 1 for every row),
+and the draft cache covering [0, L - P), P = the largest draft pending count (1, or 2 after a full
+accept). A round is: draft k tokens, verify k + 1 in one target forward, accept, commit, realign
+with one gather per cache tensor (or a crop when every row committed the same count).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from ..cache import gather_cache, rect_inputs
+from ..engine import (Settings, Stats, check_alignment, check_cache_row, check_commit, check_rect_forward,
+                      raise_violations, trace_rows)
+from ..verify import commit_counts, greedy_accept
+
+
+class RectBatch:
+    def __init__(self, prompts, requests, max_new, target, draft, settings: Settings, stats: Stats, clock):
+        self.target, self.draft, self.settings, self.stats, self.clock = target, draft, settings, stats, clock
+        self.request = np.asarray(requests)
+        self.prompt_len = np.array([len(p) for p in prompts])
+        self.content_len = self.prompt_len.copy()
+        self.budget_end = self.prompt_len + np.asarray(max_new)
+        self.draft_pending = np.ones(len(prompts), dtype=np.int64)
+        width = int(self.content_len.max())
+        padded = [[settings.pad_id] * (width - len(p)) + list(p) for p in prompts]
+        self.tokens = torch.tensor(padded, dtype=torch.long, device=settings.device)
+        self.target_cache, self.draft_cache = DynamicCache(), DynamicCache()
+        with clock("time_prefill"):
+            for runner, cache in ((target, self.target_cache), (draft, self.draft_cache)):
+                if runner is not None and width > 1:  # everything but the pending token
+                    pos, mask = rect_inputs(self.pad_len_t, 0, width - 1, settings.window, settings.dtype, settings.fill)
+                    runner(self.tokens[:, :-1], pos, mask, cache, last_only=True)
+
+    @property
+    def size(self) -> int:
+        return len(self.request)
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def pad_len_t(self) -> torch.Tensor:
+        return torch.as_tensor(self.width - self.content_len, device=self.settings.device)
+
+    def forward(self, runner, ids, first_col, cache, found, last_only=False):
+        s = self.settings
+        pos, mask = rect_inputs(self.pad_len_t, first_col, ids.shape[1], s.window, s.dtype, s.fill)
+        if s.check:
+            found += check_rect_forward(self.pad_len_t, first_col, pos, mask, s.window)
+        return runner(ids, pos, mask, cache, last_only=last_only), pos, mask
+
+    def round(self, round_index: int) -> list[tuple[int, list[int], str]]:
+        """One round; returns (request, new tokens, stop reason) of the rows that finished."""
+        s, width = self.settings, self.width
+        remaining = self.budget_end - self.content_len
+        limit = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(self.size, dtype=np.int64)
+        k = int(limit.max())
+        found = check_alignment(width - self.content_len, self.content_len, width) if s.check else []
+
+        drafted = self.tokens.new_empty((self.size, 0))
+        if k:
+            with self.clock("time_draft"):
+                pending = int(self.draft_pending.max())  # re-feed the last `pending` tokens of every row
+                ids, first, steps = self.tokens[:, width - pending:], width - pending, []
+                for _ in range(k):
+                    logits, _, _ = self.forward(self.draft, ids, first, self.draft_cache, found, last_only=True)
+                    first += ids.shape[1]
+                    ids = logits[:, -1].argmax(dim=-1, keepdim=True)
+                    steps.append(ids)
+                drafted = torch.cat(steps, dim=1)
+
+        with self.clock("time_verify"):
+            ids = torch.cat([self.tokens[:, -1:], drafted], dim=1)
+            logits, pos, mask = self.forward(self.target, ids, width - 1, self.target_cache, found)
+            choice = logits.argmax(dim=-1)
+            dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
+            accepted_t = greedy_accept(drafted, choice, dev(limit))
+            n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
+            accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
+        finished = (hit_eos == 1) | (n == remaining)
+
+        with self.clock("time_align"):
+            extended = torch.cat([self.tokens, choice], dim=1)  # committed token j of a row is column width + j
+            done = self._collect_finished(extended, finished, n, hit_eos)
+            if s.check or s.trace is not None:
+                committed = [row.tolist() for row in self._committed(choice, n)]
+            if s.check:
+                found += check_commit(drafted, choice, limit, accepted, committed, remaining, s)
+            if s.trace is not None:
+                s.trace.round(round_index, trace_rows(
+                    self.request, self.prompt_len, self.tokens, width - self.content_len, self.content_len, pos,
+                    mask, drafted, choice, limit, accepted, committed, finished))
+            self._update(extended, ~finished, n, accepted, k)
+        self._account(k, accepted, n)
+        if s.check:
+            found += self._check_caches(round_index)
+            raise_violations(found, round_index)
+        return done
+
+    @staticmethod
+    def _committed(choice, n):
+        return [choice[i, :n[i]] for i in range(len(n))]
+
+    def _collect_finished(self, extended, finished, n, hit_eos):
+        rows = np.nonzero(finished)[0]
+        if len(rows) == 0:
+            return []
+        host = extended[torch.as_tensor(rows, device=extended.device)].cpu().numpy()
+        start = self.width - self.content_len[rows] + self.prompt_len[rows]
+        end = self.width + n[rows]
+        return [(int(self.request[r]), host[j, start[j]:end[j]].tolist(), "eos" if hit_eos[r] else "length")
+                for j, r in enumerate(rows)]
+
+    def _update(self, extended, keep, n, accepted, k):
+        """The EQSPEC update on tokens and both caches: one gather each, or a crop when δ = 0."""
+        new_len = self.content_len + n
+        if k:  # the draft never ran on its last proposal: 2 pending after a full accept
+            pending = n - np.minimum(np.minimum(accepted, k - 1), n)
+        else:
+            pending = self.draft_pending + n
+        if not keep.any():
+            self.request = self.request[:0]
+            return
+        new_width = int(new_len[keep].max())
+        delta = new_width - self.width - n[keep]  # δ_i = L' - L - n_i (Theorem B.1)
+        rows = None if keep.all() else torch.as_tensor(np.nonzero(keep)[0], device=self.settings.device)
+        if rows is None and not delta.any():
+            source = None
+            self.tokens = extended[:, :new_width]
+        else:
+            source = (torch.arange(new_width, device=self.settings.device)[None, :]
+                      - torch.as_tensor(delta, device=self.settings.device)[:, None]).clamp(min=0)
+            kept = extended if rows is None else extended[rows]
+            self.tokens = kept.gather(1, source)
+        gather_cache(self.target_cache, rows, source, new_width - 1)
+        if self.draft is not None:
+            gather_cache(self.draft_cache, rows, source, new_width - int(pending[keep].max()))
+        self.request, self.prompt_len, self.budget_end = self.request[keep], self.prompt_len[keep], self.budget_end[keep]
+        self.content_len, self.draft_pending = new_len[keep], pending[keep]
+
+    def _account(self, k, accepted, n):
+        st = self.stats
+        st.rounds += 1
+        st.row_rounds += len(n)
+        st.drafted_tokens += k * len(n)
+        st.accepted_tokens += int(accepted.sum())
+        st.generated_tokens += int(n.sum())
+
+    def _check_caches(self, round_index):
+        """I3 on one sampled row per round (round robin), target and draft, by unpadded recomputation."""
+        if self.size == 0:
+            return []
+        row = round_index % self.size
+        pad = self.width - int(self.content_len[row])
+        content = self.tokens[row, pad:].tolist()
+        found = check_cache_row(self.target, self.target_cache, row, content[:-1], pad, self.settings, "target cache")
+        if self.draft is not None:
+            from ..cache import cache_width
+            draft_slots = cache_width(self.draft_cache) - pad
+            found += check_cache_row(self.draft, self.draft_cache, row, content[:max(draft_slots, 0)], pad,
+                                     self.settings, "draft cache")
+        return found
+
+
+def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):
+    """EQSPEC over all requests: fixed batches of `batch_size` in input order; a finished row leaves
+    its batch at once (no zombie rows)."""
+    round_index = 0
+    for start in range(0, len(prompts), batch_size):
+        requests = list(range(start, min(start + batch_size, len(prompts))))
+        batch = RectBatch([prompts[r] for r in requests], requests, [max_new[r] for r in requests], target, draft,
+                          settings, stats, clock)
+        while batch.size:
+            round_index += 1
+            for request, tokens, reason in batch.round(round_index):
+                on_done(request, tokens, reason)

@@ -1,0 +1,23 @@
+"""One round's arithmetic on torch tensors, vectorized over rows (twin of reference.rounds)."""
+from __future__ import annotations
+
+import torch
+
+
+def greedy_accept(drafted: torch.Tensor, choice: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Accepted drafts per row: the agreeing prefix of drafts and target choices, at most limit (I5)."""
+    k = drafted.shape[1]
+    agree = (drafted == choice[:, :k]) & (torch.arange(k, device=drafted.device)[None, :] < limit[:, None])
+    return agree.long().cumprod(dim=1).sum(dim=1)
+
+
+def commit_counts(choice: torch.Tensor, accepted: torch.Tensor, remaining: torch.Tensor, eos: torch.Tensor):
+    """(n, hit_eos): tokens committed per row, min(accepted + 1, remaining, first new EOS + 1) (I6).
+
+    Only this round's tokens are searched for EOS; eos is a 1-D tensor of ids (may be empty)."""
+    width = choice.shape[1]
+    n = torch.minimum(accepted + 1, remaining)
+    is_eos = torch.isin(choice, eos) & (torch.arange(width, device=choice.device)[None, :] < n[:, None])
+    first = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1), torch.full_like(n, width))
+    hit = first < n
+    return torch.where(hit, first + 1, n), hit

@@ -1,0 +1,139 @@
+"""`specbatch.generate`: batch speculative decoding on any pair of Hugging Face causal LMs."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .fast.engine import Clock, GenerationResult, Settings, Stats
+from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
+from .invariants import TraceWriter
+
+STRATEGIES = ("eqspec", "exspec", "ragged")
+IMPLEMENTED = ("eqspec",)
+
+
+def _prompt_ids(prompts, tokenizer, vocab: int) -> list[list[int]]:
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists (or strings with tokenizer=)")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError(f"prompt {i} is a string; pass tokenizer= to encode strings")
+            prompt = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        out.append(ids)
+    return out
+
+
+def _positive(name: str, value, allow_list: bool = False):
+    values = list(value) if allow_list and isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 5, batch_size: int = 8,
+             strategy: str = "eqspec", eos_token_id=None, pad_token_id=None, tokenizer=None,
+             draft_tokenizer=None, check_invariants: bool = False, trace=None, progress: bool = False,
+             temperature: float = 0.0, **sampling) -> GenerationResult:
+    """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
+
+    Greedy output equals target-only greedy decoding token for token (proofs_notes/).
+    prompts: token-id lists, or strings with tokenizer=. Request id = index in prompts.
+    max_new_tokens: int, or one per prompt. eos_token_id: int or list; default: every id in
+    target.generation_config.eos_token_id. Results come back in input order.
+    check_invariants: check I1-I6 every round (slow; raises invariants.InvariantError).
+    trace: path of a JSONL round trace (invariants.trace format).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    if strategy not in IMPLEMENTED:
+        raise ValueError(f"strategy {strategy!r} is not available in the torch engine yet (only "
+                         f"{', '.join(IMPLEMENTED)}); the NumPy reference has it: specbatch.reference.generate")
+    if temperature or sampling:
+        raise ValueError("only greedy decoding (temperature=0) is available so far; got "
+                         f"temperature={temperature!r} {sampling or ''}".strip())
+    _positive("num_draft_tokens", num_draft_tokens)
+    _positive("batch_size", batch_size)
+    _positive("max_new_tokens", max_new_tokens, allow_list=True)
+    check_pair(target, draft, tokenizer, draft_tokenizer)
+    from .fast.models import vocab_size
+    ids = _prompt_ids(prompts, tokenizer, vocab_size(target))
+    max_new = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(ids)
+    if len(max_new) != len(ids):
+        raise ValueError(f"max_new_tokens has {len(max_new)} entries for {len(ids)} prompts")
+    k = num_draft_tokens if draft is not None else 0
+
+    longest = max(len(p) + m for p, m in zip(ids, max_new)) + k
+    for name, model in (("target", target), ("draft", draft)):
+        if model is None:
+            continue
+        limit = context_limit(model)
+        if limit is not None:
+            for i, (p, m) in enumerate(zip(ids, max_new)):
+                if len(p) + m + k > limit:
+                    raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {m} new + {k} draft tokens exceed the "
+                                     f"{name}'s context of {limit} positions")
+    window = None
+    for name, model in (("target", target), ("draft", draft)):
+        if model is None:
+            continue
+        w, uniform = attention_window(model)
+        if w is not None and longest > w:
+            if not uniform:
+                raise ValueError(f"the {name} mixes sliding-window ({w}) and full attention layers and sequences "
+                                 f"reach {longest} tokens; this is not supported (keep prompt + new tokens <= {w})")
+            if window is not None and window != w:
+                raise ValueError(f"target and draft have different sliding windows ({window} and {w})")
+            window = w
+
+    device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
+    eos_ids = eos_ids_of(target, eos_token_id)
+    pad_id = pad_token_id if pad_token_id is not None else (getattr(target.config, "pad_token_id", None) or 0)
+    stats = Stats()
+    writer = None
+    if trace is not None:
+        writer = TraceWriter(trace, layout="rectangular", strategy=strategy, eos_token_ids=eos_ids,
+                             max_new_tokens=max(max_new), num_requests=len(ids), window=window)
+    settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
+                        pad_id=int(pad_id), check=check_invariants, trace=writer)
+    target_runner = ModelRunner(target)
+    draft_runner = ModelRunner(draft) if draft is not None else None
+    results: dict = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(ids), desc=f"{strategy}", unit="req", leave=False)
+
+    def on_done(request, tokens, reason):
+        results[request] = (tokens, reason)
+        if bar is not None:
+            bar.update(1)
+            elapsed = time.perf_counter() - start
+            tau = stats.generated_tokens / stats.row_rounds if stats.row_rounds else 0.0
+            bar.set_postfix(tok_s=f"{stats.generated_tokens / elapsed:.1f}", tau=f"{tau:.2f}")
+
+    start = time.perf_counter()
+    clock = Clock(stats, device)
+    from .fast.strategies import eqspec
+    with torch.inference_mode():
+        eqspec.run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
+    stats.time_total = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    stats.target_tokens_processed = target_runner.tokens_processed
+    stats.draft_tokens_processed = draft_runner.tokens_processed if draft_runner else 0
+    sequences = [results[r][0] for r in range(len(ids))]
+    reasons = [results[r][1] for r in range(len(ids))]
+    if writer is not None:
+        writer.results(sequences, reasons)
+    texts = [tokenizer.decode(s) for s in sequences] if tokenizer is not None else None
+    return GenerationResult(sequences, reasons, stats.as_dict(), texts)
