@@ -40,9 +40,18 @@ def cache_width(cache: DynamicCache) -> int:
     return int(layers[0].keys.shape[-2]) if layers and layers[0].keys.dim() == 4 else 0
 
 
+def _flat_index(rows: torch.Tensor | None, source: torch.Tensor, heads: int, slots: int) -> torch.Tensor:
+    """Indices into keys.reshape(-1, D) selecting, for each kept row and head, the slots `source`."""
+    batch = rows if rows is not None else torch.arange(source.shape[0], device=source.device)
+    head = torch.arange(heads, device=source.device)
+    return ((batch[:, None, None] * heads + head[None, :, None]) * slots + source[:, None, :]).reshape(-1)
+
+
 def gather_cache(cache: DynamicCache, rows: torch.Tensor | None, source: torch.Tensor | None, width: int) -> None:
     """Keep `rows` (None: all) and, per row, the sequence slots `source[:, :width]` (None: the first
-    `width` slots, a crop). One indexing op per cache tensor; a pure crop is a view (no copy)."""
+    `width` slots, a crop). One index_select per cache tensor over rows of head_dim elements
+    (contiguous output, about the cost of a copy); a pure crop is a view (no copy)."""
+    index_for: dict = {}  # the index depends only on (heads, slots): shared by all layers alike
     for layer in cache_layers(cache):
         if width == 0 or layer.keys.dim() != 4:  # nothing cached: an empty tensor fits any batch size
             layer.keys, layer.values = layer.keys.new_empty(0), layer.values.new_empty(0)
@@ -50,10 +59,13 @@ def gather_cache(cache: DynamicCache, rows: torch.Tensor | None, source: torch.T
             keys, values = layer.keys[..., :width, :], layer.values[..., :width, :]
             if rows is not None:
                 keys, values = keys[rows], values[rows]
+            layer.keys, layer.values = keys, values
         else:
-            index = source[:, :width]
-            batch = (rows if rows is not None else torch.arange(index.shape[0], device=index.device))[:, None]
-            # [B, H, S, D] -> pick (row, slot) pairs -> [B', width, H, D] -> back to [B', H, width, D]
-            keys = layer.keys.transpose(1, 2)[batch, index].transpose(1, 2)
-            values = layer.values.transpose(1, 2)[batch, index].transpose(1, 2)
-        layer.keys, layer.values = keys, values
+            _, heads, slots, dim = layer.keys.shape
+            if (heads, slots) not in index_for:
+                index_for[(heads, slots)] = _flat_index(rows, source[:, :width], heads, slots)
+            index = index_for[(heads, slots)]
+            shape = (source.shape[0], heads, width, dim)
+            layer.keys = layer.keys.reshape(-1, dim).index_select(0, index).view(shape)
+            layer.values = layer.values.reshape(-1, layer.values.shape[-1]).index_select(0, index).view(
+                shape[:3] + (layer.values.shape[-1],))

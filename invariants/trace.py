@@ -3,8 +3,8 @@
 A trace is JSONL:
 
 1. header: {"trace": "specbatch", "version": 1, "layout": "rectangular" | "ragged",
-   "strategy": str, "eos_token_ids": [int], "max_new_tokens": int, "num_requests": int,
-   "window": int | null}
+   "strategy": str, "eos_token_ids": [int], "max_new_tokens": int or [int] (one per request),
+   "num_requests": int, "window": int | null}
 2. one line per round: {"round": r, "rows": [row, ...]} with, per row of the verify forward:
    request (id), prompt_len, tokens (the row as laid out: pads included for rectangular, the
    content for ragged), pad_len (0 for ragged), content_len (before the commit), positions
@@ -36,11 +36,13 @@ class TraceError(Exception):
 class TraceWriter:
     """Writes a trace line by line (flushed, so a crash keeps the rounds already done)."""
 
-    def __init__(self, path, *, layout: str, strategy: str, eos_token_ids, max_new_tokens: int,
+    def __init__(self, path, *, layout: str, strategy: str, eos_token_ids, max_new_tokens,
                  num_requests: int, window: int | None = None):
         self.file = open(path, "w")
+        budgets = ([int(m) for m in max_new_tokens] if isinstance(max_new_tokens, (list, tuple))
+                   else int(max_new_tokens))
         self._write({"trace": "specbatch", "version": TRACE_VERSION, "layout": layout, "strategy": strategy,
-                     "eos_token_ids": [int(e) for e in eos_token_ids], "max_new_tokens": int(max_new_tokens),
+                     "eos_token_ids": [int(e) for e in eos_token_ids], "max_new_tokens": budgets,
                      "num_requests": int(num_requests), "window": window})
 
     def _write(self, obj) -> None:
@@ -92,6 +94,12 @@ def read_trace(path) -> tuple[dict, list[dict], dict | None]:
     return header, rounds, results
 
 
+def budget(header: dict, request: int) -> int:
+    """max_new_tokens of a request: the header holds one int or one per request."""
+    value = header["max_new_tokens"]
+    return int(value[request]) if isinstance(value, list) else int(value)
+
+
 def _check_row(header: dict, row: dict) -> list[Violation]:
     layout = header["layout"]
     tokens, pad, content = row["tokens"], int(row["pad_len"]), int(row["content_len"])
@@ -103,7 +111,7 @@ def _check_row(header: dict, row: dict) -> list[Violation]:
     mask = np.array([[c == "1" for c in m] for m in row["mask"]], dtype=bool)[None]
     slot_index = (np.arange(mask.shape[2]) - pad)[None]
     out += check_mask(mask, query_index, slot_index, header.get("window"))
-    remaining = int(row["prompt_len"]) + int(header["max_new_tokens"]) - content
+    remaining = int(row["prompt_len"]) + budget(header, row["request"]) - content
     out += check_round_commit(np.array([row["drafted"]], dtype=np.int64).reshape(1, -1),
                               np.array([row["target_argmax"]]), [row["draft_limit"]], [row["accepted"]],
                               [row["committed"]], [remaining], header["eos_token_ids"])
@@ -147,7 +155,7 @@ def check_trace(path) -> list[Violation]:
                              expected=list(range(header["num_requests"])), actual=returned))
     for r in results["results"]:
         req, tokens = r["request"], r["tokens"]
-        out += check_stop(tokens, eos, header["max_new_tokens"], request=req)
+        out += check_stop(tokens, eos, budget(header, req), request=req)
         if req in generated and generated[req] != tokens:
             out.append(Violation("I5", "result differs from the tokens committed in the rounds", row=req,
                                  expected=generated[req], actual=tokens))

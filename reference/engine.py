@@ -314,7 +314,7 @@ def generate(target, draft, prompts, *, max_new_tokens, k: int = 4, eos_ids=(), 
     writer = None
     if trace is not None:
         writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy,
-                             eos_token_ids=opt.eos_ids, max_new_tokens=max(max_new), num_requests=count,
+                             eos_token_ids=opt.eos_ids, max_new_tokens=max_new, num_requests=count,
                              window=window)
 
     def account(accepted, n, k_round, trace_rows):

@@ -102,7 +102,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     writer = None
     if trace is not None:
         writer = TraceWriter(trace, layout="rectangular", strategy=strategy, eos_token_ids=eos_ids,
-                             max_new_tokens=max(max_new), num_requests=len(ids), window=window)
+                             max_new_tokens=max_new, num_requests=len(ids), window=window)
     settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
                         pad_id=int(pad_id), check=check_invariants, trace=writer)
     target_runner = ModelRunner(target)

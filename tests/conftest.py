@@ -6,7 +6,7 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("default", max_examples=25, deadline=None,
+settings.register_profile("default", max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("thorough", max_examples=400, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -1,0 +1,51 @@
+"""A scripted draft for Hugging Face models: follow a base model, deviate where a rule says.
+
+`ScriptedDraft(target, rule)` proposes the target's own greedy continuation except where
+`rule(next_index, token)` fires (the rules of specbatch.reference.drafts, e.g. `deviate_at` or
+`deviate_hashed`), so any acceptance pattern can be produced on purpose, with real caches.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..reference.drafts import DeviateRule
+from .models import cache_argument
+
+
+class ScriptedDraft(torch.nn.Module):
+    def __init__(self, base, rule: DeviateRule):
+        super().__init__()
+        self.base, self.rule = base, rule
+        self._cache_kw = cache_argument(base)
+
+    @property
+    def config(self):
+        return self.base.config
+
+    @property
+    def device(self):
+        return self.base.device
+
+    @property
+    def generation_config(self):
+        return self.base.generation_config
+
+    def get_output_embeddings(self):
+        return self.base.get_output_embeddings()
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
+                logits_to_keep=0, **kwargs):
+        out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                        use_cache=use_cache, logits_to_keep=logits_to_keep, **{self._cache_kw: cache}, **kwargs)
+        logits = out.logits
+        q = logits.shape[1]
+        fire = self.rule((position_ids[:, -q:] + 1).cpu().numpy(), input_ids[:, -q:].cpu().numpy())
+        fire = torch.as_tensor(fire, device=logits.device)
+        if fire.any():
+            logits = logits.clone()
+            top = logits.argmax(dim=-1, keepdim=True)
+            low = torch.finfo(logits.dtype).min
+            logits.scatter_(-1, top, torch.where(fire[..., None], torch.full_like(top, 0, dtype=logits.dtype) + low,
+                                                 logits.gather(-1, top)))
+        out.logits = logits
+        return out

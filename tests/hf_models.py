@@ -1,0 +1,58 @@
+"""Tiny random-initialised Hugging Face causal LMs of several architectures, and the oracle."""
+import functools
+
+import torch
+import transformers as tf
+
+VOCAB = 96
+EOS = 7
+
+ARCHS = {
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                                         num_key_value_heads=2)),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                                        num_key_value_heads=2, head_dim=8)),
+    "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                                     num_key_value_heads=2, head_dim=8)),
+    "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, dict(n_embd=32, n_head=4, n_positions=512)),
+    "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, dict(hidden_size=32, intermediate_size=64,
+                                                               num_attention_heads=4)),
+    "opt": (tf.OPTConfig, tf.OPTForCausalLM, dict(hidden_size=32, ffn_dim=64, num_attention_heads=4,
+                                                  word_embed_proj_dim=32)),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(hidden_size=32, intermediate_size=64,
+                                                              num_attention_heads=4, num_key_value_heads=2,
+                                                              sliding_window=512)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(arch="llama", layers=2, seed=0, dtype=torch.float64, **overrides):
+    config_cls, model_cls, kw = ARCHS[arch]
+    layer_key = "n_layer" if arch == "gpt2" else "num_hidden_layers"
+    kw = {**kw, layer_key: layers, "vocab_size": VOCAB, "eos_token_id": EOS, "pad_token_id": EOS,
+          "bos_token_id": 1, **overrides}
+    if arch != "gpt2":
+        kw.setdefault("max_position_embeddings", 512)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw)).to(dtype).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = EOS
+    return model
+
+
+def hf_greedy(model, prompt, max_new_tokens, eos_ids):
+    """transformers' own greedy decoding at batch 1, no padding, cut after the first EOS."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
+                             do_sample=False, eos_token_id=list(eos_ids) or None, pad_token_id=0)
+    new = out[0, len(prompt):].tolist()
+    for j, t in enumerate(new):
+        if t in eos_ids:
+            return new[:j + 1]
+    return new
+
+
+def oracle(model, prompts, max_new_tokens, eos_ids):
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    return [hf_greedy(model, p, m, tuple(eos_ids)) for p, m in zip(prompts, budgets)]

@@ -1,0 +1,164 @@
+"""The torch engine (EQSPEC) against transformers' own greedy decoding at batch 1, for several
+architectures, drafts, batch sizes, k, budgets, EOS positions and pad ids (I1-I6)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import specbatch
+from hf_models import ARCHS, EOS, VOCAB, hf_greedy, oracle, tiny
+from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.equivalence import compare
+from specbatch.invariants import check_trace
+from specbatch.reference import RectState, deviate_at, deviate_hashed, eqspec_update
+
+RNG = np.random.default_rng(0)
+# very uneven lengths; EOS (== pad id) inside a prompt; a prompt that is a single token
+PROMPTS = [RNG.integers(0, VOCAB, n).tolist() for n in (1, 9, 120, 3, 40, 2)]
+PROMPTS[1][3] = EOS
+PROMPTS[4][0] = EOS
+
+
+def eos_mid_generation(model, prompts):
+    """EOS ids that the target really emits after a few tokens on some prompt, plus EOS itself."""
+    stream = hf_greedy(model, prompts[0], 6, ())
+    return [EOS, stream[3]]
+
+
+def drafts(arch):
+    target = tiny(arch)
+    return {"none": None, "random": tiny(arch, layers=1, seed=5), "self": target,
+            "scripted": ScriptedDraft(target, deviate_hashed(7, 0.35))}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("draft", ["none", "random", "self", "scripted"])
+def test_equals_transformers_greedy_float64(arch, draft):
+    target = tiny(arch)
+    eos = eos_mid_generation(target, PROMPTS)
+    budgets = [12, 1, 9, 16, 5, 12]
+    want = oracle(target, PROMPTS, budgets, eos)
+    assert any(s[-1] in eos and len(s) < b for s, b in zip(want, budgets)), "EOS should stop some row mid-way"
+    result = specbatch.generate(target, drafts(arch)[draft], PROMPTS, max_new_tokens=budgets, num_draft_tokens=3,
+                                batch_size=4, eos_token_id=eos, check_invariants=(draft == "scripted"))
+    assert result.sequences == want
+    assert result.stop_reasons == ["eos" if s[-1] in eos else "length" for s in want]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_batch_sizes_and_draft_lengths(batch_size, k):
+    target = tiny("llama")
+    want = oracle(target, PROMPTS, 14, [EOS])
+    draft = ScriptedDraft(target, deviate_hashed(k, 0.25))
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=14, num_draft_tokens=k, batch_size=batch_size)
+    assert result.sequences == want
+
+
+def test_full_acceptance_commits_k_plus_one_tokens_per_round():
+    target = tiny("qwen3")
+    prompts = [PROMPTS[3], PROMPTS[5]]
+    result = specbatch.generate(target, target, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=2,
+                                eos_token_id=[])
+    assert result.stats["rounds"] == 3 and result.stats["mean_accepted_length"] == 4.0
+    assert result.sequences == oracle(target, prompts, 12, [])
+
+
+def test_budget_ending_mid_round_and_max_new_tokens_one():
+    target = tiny("llama")
+    for budget in ([1] * 6, [1, 2, 3, 4, 5, 6], 7):
+        want = oracle(target, PROMPTS, budget, [])
+        result = specbatch.generate(target, target, PROMPTS, max_new_tokens=budget, num_draft_tokens=4,
+                                    batch_size=3, eos_token_id=[], check_invariants=True)
+        assert result.sequences == want
+        assert all(r == "length" for r in result.stop_reasons)
+
+
+def test_pad_id_does_not_matter():
+    target = tiny("gpt2")
+    draft = ScriptedDraft(target, deviate_at([4, 11, 12, 30]))
+    outs = [specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, num_draft_tokens=4, batch_size=6,
+                               pad_token_id=pad).sequences for pad in (EOS, 0, PROMPTS[2][5])]
+    assert outs[0] == outs[1] == outs[2] == oracle(target, PROMPTS, 10, [EOS])
+
+
+def test_sliding_window_is_applied_by_position():
+    target = tiny("mistral", sliding_window=6)
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[5]]
+    want = oracle(target, prompts, 14, [EOS])
+    assert want != oracle(tiny("mistral"), prompts, 14, [EOS])  # the window really changes the output
+    result = specbatch.generate(target, ScriptedDraft(target, deviate_hashed(2, 0.3)), prompts, max_new_tokens=14,
+                                num_draft_tokens=3, batch_size=3, check_invariants=True)
+    assert result.sequences == want
+
+
+def test_work_counters_no_reprefill():
+    """Both models keep their caches: each processes about one position per committed token."""
+    target = tiny("llama")
+    result = specbatch.generate(target, target, PROMPTS, max_new_tokens=16, num_draft_tokens=4, batch_size=6,
+                                eos_token_id=[])
+    stats, rows = result.stats, len(PROMPTS)
+    assert stats["generated_tokens"] == 16 * rows and stats["rounds"] == 4
+    prefill = rows * (max(len(p) for p in PROMPTS) - 1)  # one padded prefill, then never again
+    # rounds commit 5, 5, 5 then 1 token (budget 16): k + 1 verify positions per row, then 1
+    assert stats["target_tokens_processed"] == prefill + 3 * rows * 5 + rows * 1
+    assert stats["draft_tokens_processed"] <= prefill + 4 * rows * (4 + 1)  # k steps, the first re-feeds <= 2
+
+
+def test_float32_matches_or_diverges_only_at_ties():
+    target = tiny("llama", dtype=torch.float32)
+    want = oracle(target, PROMPTS, 16, [EOS])
+    for draft in (None, target, ScriptedDraft(target, deviate_hashed(3, 0.4))):
+        result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=16, num_draft_tokens=4, batch_size=6)
+        reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
+        assert all(r["exact"] or r["kind"] == "tie" for r in reports), reports
+
+
+def replay_with_reference(trace_path):
+    """Replay the EQSPEC update of the NumPy reference on each round of a torch trace and require
+    the next round's layout (tokens of every row, pad lengths) to be exactly what it predicts."""
+    lines = [json.loads(x) for x in open(trace_path)]
+    rounds = [x for x in lines if "round" in x]
+    for now, nxt in zip(rounds, rounds[1:]):
+        rows = [r for r in now["rows"] if not r["finished"]]
+        if not rows or [r["request"] for r in rows] != [r["request"] for r in nxt["rows"]]:
+            continue  # a new batch started
+        state = RectState(np.array([r["tokens"] for r in rows]), np.array([r["content_len"] for r in rows]))
+        width = max(len(r["committed"]) for r in rows)
+        new = np.array([r["committed"] + [0] * (width - len(r["committed"])) for r in rows])
+        predicted, _ = eqspec_update(state, new, np.array([len(r["committed"]) for r in rows]))
+        for i, row in enumerate(nxt["rows"]):
+            assert row["pad_len"] == predicted.pad_len[i]
+            assert row["tokens"][row["pad_len"]:] == predicted.tokens[i, predicted.pad_len[i]:].tolist()
+
+
+@given(deviations=st.sets(st.integers(1, 60), max_size=25), k=st.integers(1, 8), batch=st.integers(1, 6),
+       budgets=st.lists(st.integers(1, 14), min_size=6, max_size=6))
+@settings(max_examples=12)
+def test_fuzzed_acceptance_patterns_against_the_reference(tmp_path_factory, deviations, k, batch, budgets):
+    target = tiny("llama")
+    full = oracle(target, PROMPTS, 14, [EOS])
+    want = [s[:b] for s, b in zip(full, budgets)]
+    path = tmp_path_factory.mktemp("trace") / "t.jsonl"
+    result = specbatch.generate(target, ScriptedDraft(target, deviate_at(deviations)), PROMPTS,
+                                max_new_tokens=budgets, num_draft_tokens=k, batch_size=batch,
+                                check_invariants=True, trace=path)
+    assert result.sequences == want
+    assert check_trace(path) == []
+    replay_with_reference(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_long_prompts_200_tokens_all_architectures(arch):
+    target = tiny(arch)
+    prompts = [RNG.integers(0, VOCAB, n).tolist() for n in (200, 1, 77, 150, 5, 33, 120, 2)]
+    want = oracle(target, prompts, 24, [EOS])
+    for draft in drafts(arch).values():
+        for batch in (1, 3, 8):
+            result = specbatch.generate(target, draft, prompts, max_new_tokens=24, num_draft_tokens=5,
+                                        batch_size=batch)
+            assert result.sequences == want
