@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..invariants import (TraceWriter, check_alignment, check_kv, check_mask, check_positions, check_round_commit,
+from ..invariants import (TraceWriter, check_kv, check_mask, check_positions, check_round_commit,
                           mask_strings, raise_if)
 from .cache import layout_index, rect_inputs
 from .models import ModelRunner
@@ -108,20 +107,26 @@ def fresh_kv(runner: ModelRunner, content: list[int], settings: Settings) -> lis
     return [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]
 
 
-def check_cache_row(runner, cache, row: int, content: list[int], first_slot: int, settings: Settings, name: str):
-    """I3 for one row: slots first_slot.. hold K/V of content[0..] as a fresh prefill computes them."""
+def check_cache_row(runner, layer_kv, row: int, content: list[int], first_slot: int, settings: Settings,
+                    name: str) -> list:
+    """I3 for one row: layer_kv(layer) -> (keys, values) [S, H, D] of the row's slots; slots
+    first_slot.. must hold the K/V of content[0..] exactly as a fresh unpadded prefill computes them."""
     if not content:
         return []
     fresh = fresh_kv(runner, content, settings)
     tol = dict(rtol=1e-6, atol=1e-8) if settings.dtype == torch.float64 else dict(rtol=2e-3, atol=2e-4)
     found = []
-    for number, (layer, (k_fresh, v_fresh)) in enumerate(zip(cache.layers, fresh)):
-        for part, stored, want in (("K", layer.keys, k_fresh), ("V", layer.values, v_fresh)):
-            slots = stored[row:row + 1].transpose(1, 2)  # [1, S, H, D]
-            index = (torch.arange(slots.shape[1]) - first_slot)[None]
-            found += check_kv(slots, index, [len(content)], lambda _: want, rows=[0],
-                              name=f"{name} layer {number} {part}", **tol)
-    return [v.__class__(**{**v.__dict__, "row": row}) for v in found]
+    for layer, (k_fresh, v_fresh) in enumerate(fresh):
+        for part, stored, want in zip("KV", layer_kv(layer), (k_fresh, v_fresh)):
+            index = (torch.arange(stored.shape[0]) - first_slot)[None]
+            found += [replace(v, row=row) for v in check_kv(stored[None], index, [len(content)], lambda _: want,
+                                                             rows=[0], name=f"{name} layer {layer} {part}", **tol)]
+    return found
+
+
+def dynamic_layer_kv(cache: DynamicCache, row: int):
+    """layer_kv for a DynamicCache: (keys, values) of one row as [S, H, D]."""
+    return lambda layer: (cache.layers[layer].keys[row].transpose(0, 1), cache.layers[layer].values[row].transpose(0, 1))
 
 
 def check_commit(drafted, choice, limit, accepted, committed, remaining, settings: Settings) -> list:
@@ -141,9 +146,5 @@ def trace_rows(requests, prompt_len, tokens, pad_len, content_len, positions, ma
                  finished=bool(finished[i])) for i in range(len(requests))]
 
 
-def raise_violations(found: list, round_index: int) -> None:
-    raise_if(found, round_index)
+raise_violations = raise_if
 
-
-__all__ = ["Settings", "Stats", "GenerationResult", "Clock", "check_rect_forward", "check_cache_row",
-           "check_commit", "trace_rows", "raise_violations", "check_alignment", "np"]

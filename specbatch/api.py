@@ -10,7 +10,7 @@ from .fast.models import ModelRunner, attention_window, check_pair, context_limi
 from .invariants import TraceWriter
 
 STRATEGIES = ("eqspec", "exspec", "ragged")
-IMPLEMENTED = ("eqspec",)
+IMPLEMENTED = ("eqspec", "ragged")
 
 
 def _prompt_ids(prompts, tokenizer, vocab: int) -> list[list[int]]:
@@ -101,7 +101,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     stats = Stats()
     writer = None
     if trace is not None:
-        writer = TraceWriter(trace, layout="rectangular", strategy=strategy, eos_token_ids=eos_ids,
+        writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy, eos_token_ids=eos_ids,
                              max_new_tokens=max_new, num_requests=len(ids), window=window)
     settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
                         pad_id=int(pad_id), check=check_invariants, trace=writer)
@@ -123,9 +123,10 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
 
     start = time.perf_counter()
     clock = Clock(stats, device)
-    from .fast.strategies import eqspec
+    from .fast.strategies import eqspec, ragged
+    run = {"eqspec": eqspec.run, "ragged": ragged.run}[strategy]
     with torch.inference_mode():
-        eqspec.run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
+        run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
     stats.time_total = time.perf_counter() - start
     if bar is not None:
         bar.close()

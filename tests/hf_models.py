@@ -29,6 +29,7 @@ ARCHS = {
 def tiny(arch="llama", layers=2, seed=0, dtype=torch.float64, **overrides):
     config_cls, model_cls, kw = ARCHS[arch]
     layer_key = "n_layer" if arch == "gpt2" else "num_hidden_layers"
+    overrides = {key: list(v) if isinstance(v, tuple) else v for key, v in overrides.items()}
     kw = {**kw, layer_key: layers, "vocab_size": VOCAB, "eos_token_id": EOS, "pad_token_id": EOS,
           "bos_token_id": 1, **overrides}
     if arch != "gpt2":

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..cache import gather_cache, rect_inputs
-from ..engine import (Settings, Stats, check_alignment, check_cache_row, check_commit, check_rect_forward,
+from ..cache import cache_width, gather_cache, rect_inputs
+from ...invariants import check_alignment
+from ..engine import (Settings, Stats, check_cache_row, check_commit, check_rect_forward, dynamic_layer_kv,
                       raise_violations, trace_rows)
 from ..verify import commit_counts, greedy_accept
 
@@ -159,11 +160,11 @@ class RectBatch:
         row = round_index % self.size
         pad = self.width - int(self.content_len[row])
         content = self.tokens[row, pad:].tolist()
-        found = check_cache_row(self.target, self.target_cache, row, content[:-1], pad, self.settings, "target cache")
+        found = check_cache_row(self.target, dynamic_layer_kv(self.target_cache, row), row, content[:-1], pad,
+                                self.settings, "target cache")
         if self.draft is not None:
-            from ..cache import cache_width
-            draft_slots = cache_width(self.draft_cache) - pad
-            found += check_cache_row(self.draft, self.draft_cache, row, content[:max(draft_slots, 0)], pad,
+            cached = max(cache_width(self.draft_cache) - pad, 0)
+            found += check_cache_row(self.draft, dynamic_layer_kv(self.draft_cache, row), row, content[:cached], pad,
                                      self.settings, "draft cache")
         return found
 

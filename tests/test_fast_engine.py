@@ -1,5 +1,5 @@
-"""The torch engine (EQSPEC) against transformers' own greedy decoding at batch 1, for several
-architectures, drafts, batch sizes, k, budgets, EOS positions and pad ids (I1-I6)."""
+"""The torch engine, every strategy, against transformers' own greedy decoding at batch 1, for
+several architectures, drafts, batch sizes, k, budgets, EOS positions and pad ids (I1-I6, S4)."""
 import json
 
 import numpy as np
@@ -15,6 +15,7 @@ from specbatch.fast.equivalence import compare
 from specbatch.invariants import check_trace
 from specbatch.reference import RectState, deviate_at, deviate_hashed, eqspec_update
 
+STRATEGIES = ["eqspec", "ragged"]
 RNG = np.random.default_rng(0)
 # very uneven lengths; EOS (== pad id) inside a prompt; a prompt that is a single token
 PROMPTS = [RNG.integers(0, VOCAB, n).tolist() for n in (1, 9, 120, 3, 40, 2)]
@@ -34,64 +35,72 @@ def drafts(arch):
             "scripted": ScriptedDraft(target, deviate_hashed(7, 0.35))}
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("draft", ["none", "random", "self", "scripted"])
-def test_equals_transformers_greedy_float64(arch, draft):
+def test_equals_transformers_greedy_float64(arch, draft, strategy):
     target = tiny(arch)
     eos = eos_mid_generation(target, PROMPTS)
     budgets = [12, 1, 9, 16, 5, 12]
     want = oracle(target, PROMPTS, budgets, eos)
     assert any(s[-1] in eos and len(s) < b for s, b in zip(want, budgets)), "EOS should stop some row mid-way"
     result = specbatch.generate(target, drafts(arch)[draft], PROMPTS, max_new_tokens=budgets, num_draft_tokens=3,
-                                batch_size=4, eos_token_id=eos, check_invariants=(draft == "scripted"))
+                                batch_size=4, eos_token_id=eos, check_invariants=(draft == "scripted"),
+                                strategy=strategy)
     assert result.sequences == want
     assert result.stop_reasons == ["eos" if s[-1] in eos else "length" for s in want]
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
-def test_batch_sizes_and_draft_lengths(batch_size, k):
+def test_batch_sizes_and_draft_lengths(batch_size, k, strategy):
     target = tiny("llama")
     want = oracle(target, PROMPTS, 14, [EOS])
     draft = ScriptedDraft(target, deviate_hashed(k, 0.25))
-    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=14, num_draft_tokens=k, batch_size=batch_size)
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=14, num_draft_tokens=k, batch_size=batch_size,
+                                strategy=strategy)
     assert result.sequences == want
 
 
-def test_full_acceptance_commits_k_plus_one_tokens_per_round():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_full_acceptance_commits_k_plus_one_tokens_per_round(strategy):
     target = tiny("qwen3")
     prompts = [PROMPTS[3], PROMPTS[5]]
     result = specbatch.generate(target, target, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=2,
-                                eos_token_id=[])
+                                eos_token_id=[], strategy=strategy)
     assert result.stats["rounds"] == 3 and result.stats["mean_accepted_length"] == 4.0
     assert result.sequences == oracle(target, prompts, 12, [])
 
 
-def test_budget_ending_mid_round_and_max_new_tokens_one():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_budget_ending_mid_round_and_max_new_tokens_one(strategy):
     target = tiny("llama")
     for budget in ([1] * 6, [1, 2, 3, 4, 5, 6], 7):
         want = oracle(target, PROMPTS, budget, [])
         result = specbatch.generate(target, target, PROMPTS, max_new_tokens=budget, num_draft_tokens=4,
-                                    batch_size=3, eos_token_id=[], check_invariants=True)
+                                    batch_size=3, eos_token_id=[], check_invariants=True, strategy=strategy)
         assert result.sequences == want
         assert all(r == "length" for r in result.stop_reasons)
 
 
-def test_pad_id_does_not_matter():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pad_id_does_not_matter(strategy):
     target = tiny("gpt2")
     draft = ScriptedDraft(target, deviate_at([4, 11, 12, 30]))
     outs = [specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, num_draft_tokens=4, batch_size=6,
-                               pad_token_id=pad).sequences for pad in (EOS, 0, PROMPTS[2][5])]
+                               pad_token_id=pad, strategy=strategy).sequences for pad in (EOS, 0, PROMPTS[2][5])]
     assert outs[0] == outs[1] == outs[2] == oracle(target, PROMPTS, 10, [EOS])
 
 
-def test_sliding_window_is_applied_by_position():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sliding_window_is_applied_by_position(strategy):
     target = tiny("mistral", sliding_window=6)
     prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[5]]
     want = oracle(target, prompts, 14, [EOS])
     assert want != oracle(tiny("mistral"), prompts, 14, [EOS])  # the window really changes the output
     result = specbatch.generate(target, ScriptedDraft(target, deviate_hashed(2, 0.3)), prompts, max_new_tokens=14,
-                                num_draft_tokens=3, batch_size=3, check_invariants=True)
+                                num_draft_tokens=3, batch_size=2, check_invariants=True, strategy=strategy)
     assert result.sequences == want
 
 
@@ -108,11 +117,13 @@ def test_work_counters_no_reprefill():
     assert stats["draft_tokens_processed"] <= prefill + 4 * rows * (4 + 1)  # k steps, the first re-feeds <= 2
 
 
-def test_float32_matches_or_diverges_only_at_ties():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_float32_matches_or_diverges_only_at_ties(strategy):
     target = tiny("llama", dtype=torch.float32)
     want = oracle(target, PROMPTS, 16, [EOS])
     for draft in (None, target, ScriptedDraft(target, deviate_hashed(3, 0.4))):
-        result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=16, num_draft_tokens=4, batch_size=6)
+        result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=16, num_draft_tokens=4, batch_size=6,
+                                    strategy=strategy)
         reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
         assert all(r["exact"] or r["kind"] == "tie" for r in reports), reports
 
@@ -135,20 +146,53 @@ def replay_with_reference(trace_path):
             assert row["tokens"][row["pad_len"]:] == predicted.tokens[i, predicted.pad_len[i]:].tolist()
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @given(deviations=st.sets(st.integers(1, 60), max_size=25), k=st.integers(1, 8), batch=st.integers(1, 6),
        budgets=st.lists(st.integers(1, 14), min_size=6, max_size=6))
 @settings(max_examples=12)
-def test_fuzzed_acceptance_patterns_against_the_reference(tmp_path_factory, deviations, k, batch, budgets):
+def test_fuzzed_acceptance_patterns_against_the_reference(tmp_path_factory, strategy, deviations, k, batch, budgets):
     target = tiny("llama")
     full = oracle(target, PROMPTS, 14, [EOS])
     want = [s[:b] for s, b in zip(full, budgets)]
     path = tmp_path_factory.mktemp("trace") / "t.jsonl"
     result = specbatch.generate(target, ScriptedDraft(target, deviate_at(deviations)), PROMPTS,
                                 max_new_tokens=budgets, num_draft_tokens=k, batch_size=batch,
-                                check_invariants=True, trace=path)
+                                check_invariants=True, trace=path, strategy=strategy)
     assert result.sequences == want
     assert check_trace(path) == []
-    replay_with_reference(path)
+    if strategy == "eqspec":
+        replay_with_reference(path)
+    else:
+        replay_ragged_with_reference(path, batch)
+
+
+def replay_ragged_with_reference(trace_path, slots):
+    """Replay the ragged layout's scheduling and commits with the reference: the SlotQueue decides
+    which requests run each round (the batch stays full while requests wait), and every row's
+    content grows by exactly its committed tokens (reference.rounds.ragged_commit)."""
+    from specbatch.reference import RaggedState, SlotQueue, ragged_commit
+    lines = [json.loads(x) for x in open(trace_path)]
+    header, rounds = lines[0], [x for x in lines if "round" in x]
+    queue = SlotQueue(slots)
+    for r in range(header["num_requests"]):
+        queue.submit(r)
+    state = RaggedState.empty(slots, 512)
+    for rnd in rounds:
+        for slot, request in queue.refill():
+            state.request[slot] = request
+            state.content_len[slot] = 0
+        running = {int(r): s for s, r in enumerate(queue.owner) if r >= 0}
+        assert sorted(row["request"] for row in rnd["rows"]) == sorted(running)
+        for row in rnd["rows"]:
+            slot = running[row["request"]]
+            if state.content_len[slot] == 0:  # newly admitted: its prompt
+                content = row["tokens"][:row["content_len"]]
+                state.tokens[slot, :len(content)] = content
+                state.content_len[slot] = len(content)
+            assert state.content(slot) == row["tokens"][:row["content_len"]]
+            ragged_commit(state, [slot], [row["committed"]])
+            if row["finished"]:
+                queue.release(slot)
 
 
 @pytest.mark.slow
@@ -159,6 +203,32 @@ def test_long_prompts_200_tokens_all_architectures(arch):
     want = oracle(target, prompts, 24, [EOS])
     for draft in drafts(arch).values():
         for batch in (1, 3, 8):
-            result = specbatch.generate(target, draft, prompts, max_new_tokens=24, num_draft_tokens=5,
-                                        batch_size=batch)
-            assert result.sequences == want
+            for strategy in STRATEGIES:
+                result = specbatch.generate(target, draft, prompts, max_new_tokens=24, num_draft_tokens=5,
+                                            batch_size=batch, strategy=strategy)
+                assert result.sequences == want
+
+
+def test_ragged_moves_no_cache_data_and_keeps_the_batch_full():
+    """The slot buffers are allocated once and never replaced; while requests wait, every slot runs."""
+    from specbatch.fast.engine import Clock, Settings, Stats
+    from specbatch.fast.models import ModelRunner, mask_fill_value
+    from specbatch.fast.strategies.ragged import RaggedEngine
+    target = tiny("llama")
+    settings = Settings(k=3, eos_ids=(EOS,), window=None, dtype=torch.float64, device=torch.device("cpu"),
+                        fill=mask_fill_value(torch.float64))
+    stats = Stats()
+    engine = RaggedEngine(ModelRunner(target), ModelRunner(ScriptedDraft(target, deviate_hashed(4, 0.3))), PROMPTS,
+                          [3, 9, 5, 12, 2, 7], settings, stats, Clock(stats, settings.device), slots=3)
+    done = {}
+    engine.admit()
+    pointers = {name: [layer.keys.data_ptr() for layer in cache.layers] for name, cache in engine.caches.items()}
+    rounds = 0
+    while engine.queue.queue or (engine.request >= 0).any():
+        engine.admit()
+        if engine.queue.queue:
+            assert (engine.request >= 0).all()
+        rounds += 1
+        engine.round(rounds, lambda r, tokens, reason: done.setdefault(r, tokens))
+    assert {name: [layer.keys.data_ptr() for layer in cache.layers] for name, cache in engine.caches.items()} == pointers
+    assert [done[r] for r in range(len(PROMPTS))] == oracle(target, PROMPTS, [3, 9, 5, 12, 2, 7], [EOS])

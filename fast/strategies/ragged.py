@@ -1,0 +1,197 @@
+"""Ragged (ours): per-row lengths, no padding, no realignment, continuous refill.
+
+Each batch slot owns a buffer row in both models' SlotCache; content index j of a row lives in slot
+j with position j. A round drafts and verifies exactly as EQSPEC does, but every row writes its new
+K/V at its own offsets and the commit only writes token ids and adds to content_len: no cache data
+moves. A finished row frees its slot at once; the next queued request takes it and is prefilled
+in one forward before the next round (reference.pool.SlotQueue is the scheduler, shared with the
+reference). See proofs_notes/ragged.md.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...invariants import check_conservation, check_mask, check_positions
+from ...reference.pool import SlotQueue
+from ..engine import Settings, Stats, check_cache_row, check_commit, raise_violations, trace_rows
+from ..slot_cache import SlotCache
+from ..verify import commit_counts, greedy_accept
+
+
+def ragged_inputs(query_index: torch.Tensor, kv_len: int, window: int | None, dtype, fill: float):
+    """Position ids [R, Q] and the 4D mask [R, 1, Q, kv_len]: query q sees slots 0..q (I2, I4)."""
+    slot = torch.arange(kv_len, device=query_index.device)[None, None, :]
+    q = query_index[:, :, None]
+    visible = slot <= q
+    if window is not None:
+        visible &= slot > q - window
+    mask = torch.zeros(visible.shape, dtype=dtype, device=query_index.device).masked_fill_(~visible, fill)
+    return query_index.clamp(min=0), mask[:, None]
+
+
+def num_layers(runner) -> int:
+    return int(runner.model.config.num_hidden_layers)
+
+
+class RaggedEngine:
+    def __init__(self, target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, slots: int):
+        self.target, self.draft, self.settings, self.stats, self.clock = target, draft, settings, stats, clock
+        self.prompts, self.max_new, self.slots = prompts, max_new, slots
+        capacity = max(len(p) + m for p, m in zip(prompts, max_new)) + settings.k + 1
+        self.capacity = capacity
+        dev = settings.device
+        self.tokens = torch.zeros(slots, capacity + 1, dtype=torch.long, device=dev)
+        self.request = np.full(slots, -1)
+        self.content_len = np.zeros(slots, dtype=np.int64)
+        self.prompt_len = np.zeros(slots, dtype=np.int64)
+        self.budget_end = np.zeros(slots, dtype=np.int64)
+        self.draft_pending = np.ones(slots, dtype=np.int64)
+        self.caches = {"target": SlotCache(num_layers(target), slots, capacity, dev)}
+        if draft is not None:
+            self.caches["draft"] = SlotCache(num_layers(draft), slots, capacity, dev)
+        self.queue = SlotQueue(slots)
+        for r in range(len(prompts)):
+            self.queue.submit(r)
+
+    def forward(self, name, rows_t, query_index: np.ndarray, ids, found, last_only=False):
+        """One forward of `name` over the slot rows `rows_t` (None: all) with per-row query indices."""
+        s = self.settings
+        cache = self.caches[name]
+        q = torch.as_tensor(query_index, device=s.device)
+        cache.prepare(rows_t, q)
+        cache.kv_len = int(query_index.max()) + 1
+        pos, mask = ragged_inputs(q, cache.kv_len, s.window, s.dtype, s.fill)
+        if s.check:
+            slot = np.broadcast_to(np.arange(cache.kv_len), (len(query_index), cache.kv_len))
+            found += check_positions(pos, query_index) + check_mask(mask, query_index, slot, s.window)
+        runner = self.target if name == "target" else self.draft
+        return runner(ids, pos, mask, cache, last_only=last_only), pos, mask
+
+    def admit(self) -> None:
+        """Prefill newly placed requests into their slots, in one forward per model."""
+        placed = self.queue.refill()
+        if not placed:
+            return
+        slots = np.array([slot for slot, _ in placed])
+        requests = [r for _, r in placed]
+        lens = np.array([len(self.prompts[r]) for r in requests])
+        width = int(lens.max())
+        dev = self.settings.device
+        prompts = [list(self.prompts[r]) for r in requests]
+        self.tokens[torch.as_tensor(slots, device=dev), :width] = torch.tensor(
+            [p + [0] * (width - len(p)) for p in prompts], device=dev)  # content j in column j
+        padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=dev)  # for the prefill
+        self.request[slots], self.content_len[slots], self.prompt_len[slots] = requests, lens, lens
+        self.budget_end[slots] = lens + np.array([self.max_new[r] for r in requests])
+        self.draft_pending[slots] = 1
+        if width > 1:
+            query_index = np.arange(width - 1)[None, :] - (width - lens)[:, None]  # right-aligned, pads < 0
+            rows_t = torch.as_tensor(slots, device=self.settings.device)
+            with self.clock("time_prefill"):
+                for name in self.caches:
+                    self.forward(name, rows_t, query_index, padded[:, :-1], [], last_only=True)
+
+    def round(self, round_index: int, on_done) -> None:
+        s = self.settings
+        rows = np.nonzero(self.request >= 0)[0]
+        rows_t = None if len(rows) == self.slots else torch.as_tensor(rows, device=s.device)
+        content = self.content_len[rows]
+        remaining = self.budget_end[rows] - content
+        limit = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(len(rows), dtype=np.int64)
+        k = int(limit.max())
+        found: list = []
+        rows_dev = torch.as_tensor(rows, device=s.device)
+
+        drafted = self.tokens.new_empty((len(rows), 0))
+        if k:
+            with self.clock("time_draft"):
+                pending = int(self.draft_pending[rows].max())
+                query_index = content[:, None] - pending + np.arange(pending)[None, :]
+                ids = self.tokens[rows_dev[:, None], torch.as_tensor(np.maximum(query_index, 0), device=s.device)]
+                steps = []
+                for step in range(k):
+                    logits, _, _ = self.forward("draft", rows_t, query_index, ids, found, last_only=True)
+                    ids = logits[:, -1].argmax(dim=-1, keepdim=True)
+                    steps.append(ids)
+                    query_index = content[:, None] + step
+                drafted = torch.cat(steps, dim=1)
+
+        with self.clock("time_verify"):
+            query_index = content[:, None] - 1 + np.arange(k + 1)[None, :]
+            last = self.tokens[rows_dev, torch.as_tensor(content - 1, device=s.device)]
+            ids = torch.cat([last[:, None], drafted], dim=1)
+            logits, pos, mask = self.forward("target", rows_t, query_index, ids, found)
+            choice = logits.argmax(dim=-1)
+            dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
+            accepted_t = greedy_accept(drafted, choice, dev(limit))
+            n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
+            accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()
+
+        with self.clock("time_align"):
+            # the commit: write the target's choices at each row's own offset; nothing else moves
+            columns = dev(content[:, None] + np.arange(k + 1)[None, :])
+            self.tokens[rows_dev[:, None], columns] = choice
+            finished = (hit_eos == 1) | (n == remaining)
+            if s.check or s.trace is not None:
+                committed = [choice[i, :n[i]].tolist() for i in range(len(rows))]
+            if s.check:
+                found += check_commit(drafted, choice, limit, accepted, committed, remaining, s)
+            if s.trace is not None:
+                s.trace.round(round_index, trace_rows(
+                    self.request[rows], self.prompt_len[rows], self._contents(rows, content), np.zeros(len(rows)),
+                    content, pos, mask, drafted, choice, limit, accepted, committed, finished))
+            self.content_len[rows] = content + n
+            self.draft_pending[rows] = (n - np.minimum(np.minimum(accepted, k - 1), n)) if k \
+                else self.draft_pending[rows] + n
+            self._release(rows[finished], hit_eos[finished], on_done)
+        self.stats.rounds += 1
+        self.stats.row_rounds += len(rows)
+        self.stats.drafted_tokens += k * len(rows)
+        self.stats.accepted_tokens += int(accepted.sum())
+        self.stats.generated_tokens += int(n.sum())
+        if s.check:
+            found += check_conservation(range(len(self.prompts)), self.queue.members())
+            found += self._check_caches(round_index)
+            raise_violations(found, round_index)
+
+    def _contents(self, rows, content):
+        """Row contents as a right-padded tensor (for the trace only)."""
+        width = int(content.max())
+        return self.tokens[torch.as_tensor(rows, device=self.settings.device), :width]
+
+    def _release(self, rows, hit_eos, on_done) -> None:
+        if len(rows) == 0:
+            return
+        host = self.tokens[torch.as_tensor(rows, device=self.settings.device)].cpu().numpy()
+        for j, slot in enumerate(rows):
+            on_done(int(self.request[slot]), host[j, self.prompt_len[slot]:self.content_len[slot]].tolist(),
+                    "eos" if hit_eos[j] else "length")
+            self.queue.release(int(slot))
+            self.request[slot] = -1
+
+    def _check_caches(self, round_index):
+        """I3 on one sampled row per round (round robin): slots 0.. hold a fresh prefill's K/V."""
+        rows = np.nonzero(self.request >= 0)[0]
+        if len(rows) == 0:
+            return []
+        row = int(rows[round_index % len(rows)])
+        content = self.tokens[row, :self.content_len[row]].tolist()
+        found = []
+        for name, runner, pending in (("target", self.target, 1), ("draft", self.draft, self.draft_pending[row])):
+            if runner is not None:
+                cache, prefix = self.caches[name], content[:len(content) - int(pending)]
+                found += check_cache_row(runner, lambda layer: cache.slot_values(layer, row, len(prefix)), row,
+                                         prefix, 0, self.settings, f"{name} cache")
+        return found
+
+    def run(self, on_done) -> None:
+        round_index = 0
+        while self.queue.queue or (self.request >= 0).any():
+            self.admit()
+            round_index += 1
+            self.round(round_index, on_done)
+
+
+def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):
+    RaggedEngine(target, draft, prompts, max_new, settings, stats, clock, batch_size).run(on_done)

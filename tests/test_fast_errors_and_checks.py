@@ -1,0 +1,101 @@
+"""The torch engine's input checks (clear ValueErrors naming the problem) and its live invariant
+checks (check_invariants=True), which must catch a broken engine with the right invariant id."""
+import re
+
+import pytest
+import torch
+
+import specbatch
+import specbatch.fast.strategies.eqspec as eqspec
+from hf_models import EOS, VOCAB, tiny
+from specbatch.fast.drafts import ScriptedDraft
+from specbatch.invariants import InvariantError
+from specbatch.reference import deviate_hashed
+
+PROMPTS = [[1, 2, 3], [4, EOS, 6, 7, 8, 9], [10]]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(prompts=[]), "non-empty list"),
+    (dict(prompts=[[1], []]), "prompt 1 is empty"),
+    (dict(prompts=[[1], [VOCAB + 3]]), f"prompt 1 has token id {VOCAB + 3} outside the vocabulary"),
+    (dict(prompts=["hello"]), "prompt 0 is a string; pass tokenizer="),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+    (dict(max_new_tokens=[3, 3]), "max_new_tokens has 2 entries for 3 prompts"),
+    (dict(num_draft_tokens=-1), "num_draft_tokens must be a positive integer"),
+    (dict(batch_size=0), "batch_size must be a positive integer"),
+    (dict(strategy="fastest"), "unknown strategy 'fastest'"),
+    (dict(prompts=[[1] * 500]), "prompt 0: 500 prompt tokens + 8 new + 5 draft tokens exceed the target's context of 512"),
+    (dict(temperature=0.7), "only greedy decoding"),
+])
+def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
+    args = dict(prompts=PROMPTS, max_new_tokens=8)
+    args.update(kwargs)
+    prompts = args.pop("prompts")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        specbatch.generate(tiny("llama"), tiny("llama", layers=1, seed=2), prompts, **args)
+
+
+def test_pair_with_different_vocabularies_is_refused():
+    other = tiny("llama", layers=1, seed=2, vocab_size=VOCAB + 1)
+    with pytest.raises(ValueError, match="vocabularies differ: target has 96 output tokens, draft has 97"):
+        specbatch.generate(tiny("llama"), other, PROMPTS, max_new_tokens=4)
+
+
+def test_mixed_sliding_and_full_layers_beyond_the_window_are_refused():
+    model = tiny("qwen3", sliding_window=4, use_sliding_window=True, max_window_layers=1,
+                 layer_types=("full_attention", "sliding_attention"))
+    with pytest.raises(ValueError, match="mixes sliding-window"):
+        specbatch.generate(model, None, PROMPTS, max_new_tokens=8)
+
+
+def _broken_positions(monkeypatch):
+    original = eqspec.rect_inputs
+
+    def rect_inputs(pad_len, first_col, num_cols, window, dtype, fill):  # positions counted from column 0
+        pos, mask = original(pad_len, first_col, num_cols, window, dtype, fill)
+        return pos + pad_len[:, None], mask
+    monkeypatch.setattr(eqspec, "rect_inputs", rect_inputs)
+
+
+def _mask_from_pad_id(monkeypatch):
+    original = eqspec.RectBatch.forward
+
+    def forward(self, runner, ids, first_col, cache, found, last_only=False):
+        hidden = torch.zeros(self.size, first_col + ids.shape[1], dtype=torch.bool)
+        width = min(self.width, hidden.shape[1])
+        hidden[:, :width] = self.tokens[:, :width] == EOS
+        s = self.settings
+        pos, mask = eqspec.rect_inputs(self.pad_len_t, first_col, ids.shape[1], s.window, s.dtype, s.fill)
+        mask = mask.masked_fill(hidden[:, None, None, :], s.fill)
+        if s.check:
+            found += eqspec.check_rect_forward(self.pad_len_t, first_col, pos, mask, s.window)
+        return runner(ids, pos, mask, cache, last_only=last_only), pos, mask
+    monkeypatch.setattr(eqspec.RectBatch, "forward", forward)
+
+
+def _skip_realignment(monkeypatch):
+    """Crop instead of gather: rows keep stale slots where their content should have moved."""
+    original = eqspec.gather_cache
+    monkeypatch.setattr(eqspec, "gather_cache", lambda cache, rows, source, width: original(cache, rows, None, width))
+
+
+def _no_bonus(monkeypatch):
+    original = eqspec.commit_counts
+
+    def commit_counts(choice, accepted, remaining, eos):
+        n, hit = original(choice, accepted, remaining, eos)
+        return torch.where(accepted == choice.shape[1] - 1, torch.minimum(n, accepted), n), hit
+    monkeypatch.setattr(eqspec, "commit_counts", commit_counts)
+
+
+@pytest.mark.parametrize("mutant,invariant", [(_broken_positions, "I2"), (_mask_from_pad_id, "I4"),
+                                              (_skip_realignment, "I3"), (_no_bonus, "I5")])
+def test_check_invariants_names_the_broken_invariant(monkeypatch, mutant, invariant):
+    target = tiny("llama")
+    draft = target if mutant is _no_bonus else ScriptedDraft(target, deviate_hashed(1, 0.4))
+    mutant(monkeypatch)
+    with pytest.raises(InvariantError) as caught:
+        specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, num_draft_tokens=3, check_invariants=True)
+    v = caught.value.violations[0]
+    assert v.invariant == invariant and v.round is not None and v.row is not None, str(caught.value)
