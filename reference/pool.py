@@ -9,7 +9,8 @@ EXSPEC batch selection, in order:
    max_wait + ceil(window / batch_size) rounds (S3).
 2. Otherwise group the window by key (content_len, target_pending, draft_pending). The largest
    group (ties: the one holding the oldest row) runs alone if it has at least
-   `ceil(min_group_fraction * batch)` rows: same key means equal length, so no realignment (δ = 0).
+   `ceil(min_group_fraction * batch)` rows, and at least 2 (a lone row is not worth a round of its
+   own): same key means equal length, so no realignment (δ = 0).
 3. Otherwise fall back to the oldest rows of the window, which need realignment.
 A partial group runs a smaller batch but moves no data; below the fraction, batch capacity is
 worth more than the saved realignment, hence the threshold (0.5 by default).
@@ -66,7 +67,7 @@ class ExspecPool:
             for r in window:
                 groups.setdefault(r.key, []).append(r)
             best = max(groups.values(), key=len)  # max keeps the first (oldest) among equals
-            if len(best) >= math.ceil(self.min_group_fraction * size):
+            if len(best) >= max(min(2, size), math.ceil(self.min_group_fraction * size)):
                 chosen = best[:size]
             else:
                 chosen = window[:size]

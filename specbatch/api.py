@@ -1,6 +1,7 @@
 """`specbatch.generate`: batch speculative decoding on any pair of Hugging Face causal LMs."""
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -10,7 +11,6 @@ from .fast.models import ModelRunner, attention_window, check_pair, context_limi
 from .invariants import TraceWriter
 
 STRATEGIES = ("eqspec", "exspec", "ragged")
-IMPLEMENTED = ("eqspec", "ragged")
 
 
 def _prompt_ids(prompts, tokenizer, vocab: int) -> list[list[int]]:
@@ -42,26 +42,31 @@ def _positive(name: str, value, allow_list: bool = False):
 def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 5, batch_size: int = 8,
              strategy: str = "eqspec", eos_token_id=None, pad_token_id=None, tokenizer=None,
              draft_tokenizer=None, check_invariants: bool = False, trace=None, progress: bool = False,
-             temperature: float = 0.0, **sampling) -> GenerationResult:
+             pool_window: int | None = None, max_wait: int = 4, temperature: float = 0.0,
+             **sampling) -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
     Greedy output equals target-only greedy decoding token for token (proofs_notes/).
     prompts: token-id lists, or strings with tokenizer=. Request id = index in prompts.
     max_new_tokens: int, or one per prompt. eos_token_id: int or list; default: every id in
     target.generation_config.eos_token_id. Results come back in input order.
+    strategy: "eqspec" (realign every round), "exspec" (pool of same-length groups; pool_window
+    rows, default 4 x batch_size, and max_wait rounds of bounded waiting), "ragged" (per-row
+    offsets, no realignment, continuous refill).
     check_invariants: check I1-I6 every round (slow; raises invariants.InvariantError).
     trace: path of a JSONL round trace (invariants.trace format).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    if strategy not in IMPLEMENTED:
-        raise ValueError(f"strategy {strategy!r} is not available in the torch engine yet (only "
-                         f"{', '.join(IMPLEMENTED)}); the NumPy reference has it: specbatch.reference.generate")
     if temperature or sampling:
         raise ValueError("only greedy decoding (temperature=0) is available so far; got "
                          f"temperature={temperature!r} {sampling or ''}".strip())
     _positive("num_draft_tokens", num_draft_tokens)
     _positive("batch_size", batch_size)
+    if pool_window is not None:
+        _positive("pool_window", pool_window)
+    if isinstance(max_wait, bool) or not isinstance(max_wait, int) or max_wait < 0:
+        raise ValueError(f"max_wait must be a non-negative integer, got {max_wait!r}")
     _positive("max_new_tokens", max_new_tokens, allow_list=True)
     check_pair(target, draft, tokenizer, draft_tokenizer)
     from .fast.models import vocab_size
@@ -123,8 +128,9 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
 
     start = time.perf_counter()
     clock = Clock(stats, device)
-    from .fast.strategies import eqspec, ragged
-    run = {"eqspec": eqspec.run, "ragged": ragged.run}[strategy]
+    from .fast.strategies import eqspec, exspec, ragged
+    run = {"eqspec": eqspec.run, "ragged": ragged.run,
+           "exspec": functools.partial(exspec.run, pool_window=pool_window, max_wait=max_wait)}[strategy]
     with torch.inference_mode():
         run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
     stats.time_total = time.perf_counter() - start

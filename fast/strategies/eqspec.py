@@ -20,22 +20,31 @@ from ..verify import commit_counts, greedy_accept
 
 
 class RectBatch:
-    def __init__(self, prompts, requests, max_new, target, draft, settings: Settings, stats: Stats, clock):
+    def __init__(self, target, draft, settings: Settings, stats: Stats, clock, *, request, prompt_len, content_len,
+                 budget_end, draft_pending, tokens, target_cache, draft_cache):
         self.target, self.draft, self.settings, self.stats, self.clock = target, draft, settings, stats, clock
-        self.request = np.asarray(requests)
-        self.prompt_len = np.array([len(p) for p in prompts])
-        self.content_len = self.prompt_len.copy()
-        self.budget_end = self.prompt_len + np.asarray(max_new)
-        self.draft_pending = np.ones(len(prompts), dtype=np.int64)
-        width = int(self.content_len.max())
-        padded = [[settings.pad_id] * (width - len(p)) + list(p) for p in prompts]
-        self.tokens = torch.tensor(padded, dtype=torch.long, device=settings.device)
-        self.target_cache, self.draft_cache = DynamicCache(), DynamicCache()
+        self.request, self.prompt_len, self.content_len = request, prompt_len, content_len
+        self.budget_end, self.draft_pending, self.tokens = budget_end, draft_pending, tokens
+        self.target_cache, self.draft_cache = target_cache, draft_cache
+
+    @classmethod
+    def prefill(cls, prompts, requests, max_new, target, draft, settings: Settings, stats: Stats, clock):
+        """A new batch: left-pad the prompts and prefill both caches on everything but the pending token."""
+        prompt_len = np.array([len(p) for p in prompts])
+        width = int(prompt_len.max())
+        tokens = torch.tensor([[settings.pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long,
+                              device=settings.device)
+        batch = cls(target, draft, settings, stats, clock, request=np.asarray(requests), prompt_len=prompt_len,
+                    content_len=prompt_len.copy(), budget_end=prompt_len + np.asarray(max_new),
+                    draft_pending=np.ones(len(prompts), dtype=np.int64), tokens=tokens,
+                    target_cache=DynamicCache(), draft_cache=DynamicCache())
         with clock("time_prefill"):
-            for runner, cache in ((target, self.target_cache), (draft, self.draft_cache)):
-                if runner is not None and width > 1:  # everything but the pending token
-                    pos, mask = rect_inputs(self.pad_len_t, 0, width - 1, settings.window, settings.dtype, settings.fill)
-                    runner(self.tokens[:, :-1], pos, mask, cache, last_only=True)
+            for runner, cache in ((target, batch.target_cache), (draft, batch.draft_cache)):
+                if runner is not None and width > 1:
+                    pos, mask = rect_inputs(batch.pad_len_t, 0, width - 1, settings.window, settings.dtype,
+                                            settings.fill)
+                    runner(tokens[:, :-1], pos, mask, cache, last_only=True)
+        return batch
 
     @property
     def size(self) -> int:
@@ -175,8 +184,8 @@ def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock
     round_index = 0
     for start in range(0, len(prompts), batch_size):
         requests = list(range(start, min(start + batch_size, len(prompts))))
-        batch = RectBatch([prompts[r] for r in requests], requests, [max_new[r] for r in requests], target, draft,
-                          settings, stats, clock)
+        batch = RectBatch.prefill([prompts[r] for r in requests], requests, [max_new[r] for r in requests], target,
+                                  draft, settings, stats, clock)
         while batch.size:
             round_index += 1
             for request, tokens, reason in batch.round(round_index):

@@ -1,0 +1,130 @@
+"""EXSPEC: a sequence pool between rounds; each round batches rows of equal length (and equal
+pending state) so that nothing needs realigning, and falls back to a realigned batch otherwise.
+
+Scheduling is reference.pool.ExspecPool (shared with the reference): a window of W rows, the
+largest same-key group if it fills at least half the batch, else the oldest rows; a row that
+waited `max_wait` rounds is taken first, which bounds waiting (S3). New requests are prefilled
+on their own and enter the pool; a running batch is never re-prefilled. When a round selects
+the same rows as the last one, the batch is kept as it is (its EQSPEC update already aligned it);
+otherwise its rows go back to the pool as views and the new batch is stacked, which is where
+EXSPEC pays: stacking a group is one concatenation per cache tensor, a fallback also pads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from transformers import DynamicCache
+
+from ...invariants import check_conservation, raise_if
+from ...reference.pool import ExspecPool
+from ..cache import cache_layers, cache_width
+from ..engine import Settings, Stats
+from .eqspec import RectBatch
+
+
+@dataclass
+class PooledRow:
+    """One request between rounds: its content and, per layer, its K/V as [T, H, D] views."""
+
+    request: int
+    prompt_len: int
+    budget_end: int
+    tokens: torch.Tensor  # [content_len]
+    target_kv: list
+    draft_kv: list
+    draft_pending: int  # tokens at the end of the content without draft K/V in draft_kv
+
+    @property
+    def key(self) -> tuple:
+        return (len(self.tokens), 1, self.draft_pending)
+
+
+def unstack(batch: RectBatch) -> list[PooledRow]:
+    """Views of each row of a batch (no copy)."""
+    rows = []
+    draft_width = cache_width(batch.draft_cache)
+    pending = batch.width - draft_width  # the batch keeps a uniform draft width L - P
+    for i in range(batch.size):
+        pad = batch.width - int(batch.content_len[i])
+        rows.append(PooledRow(
+            int(batch.request[i]), int(batch.prompt_len[i]), int(batch.budget_end[i]), batch.tokens[i, pad:],
+            [(layer.keys[i, :, pad:].transpose(0, 1), layer.values[i, :, pad:].transpose(0, 1))
+             for layer in cache_layers(batch.target_cache) if layer.keys.dim() == 4],
+            [(layer.keys[i, :, pad:].transpose(0, 1), layer.values[i, :, pad:].transpose(0, 1))
+             for layer in cache_layers(batch.draft_cache) if layer.keys.dim() == 4],
+            pending if batch.draft is not None else 1))
+    return rows
+
+
+def _stacked_cache(per_row_kv: list, keep: list[int]) -> DynamicCache:
+    """Left-pad each row's first keep[i] entries and stack: one pad_sequence per cache tensor."""
+    cache = DynamicCache()
+    if not per_row_kv or not per_row_kv[0] or max(keep) == 0:
+        return cache
+    for layer in range(len(per_row_kv[0])):
+        parts = []
+        for part in (0, 1):
+            pieces = [kv[layer][part][:n] for kv, n in zip(per_row_kv, keep)]
+            parts.append(pad_sequence(pieces, batch_first=True, padding_side="left").transpose(1, 2))
+        cache.update(parts[0], parts[1], layer)
+    return cache
+
+
+def stack(rows: list[PooledRow], target, draft, settings: Settings, stats: Stats, clock) -> RectBatch:
+    """A rectangular batch of pool rows: tokens and caches left-padded to the longest row (I1)."""
+    content = np.array([len(r.tokens) for r in rows])
+    width = int(content.max())
+    pending = max(r.draft_pending for r in rows)
+    tokens = pad_sequence([r.tokens for r in rows], batch_first=True, padding_side="left",
+                          padding_value=settings.pad_id)
+    return RectBatch(target, draft, settings, stats, clock, request=np.array([r.request for r in rows]),
+                     prompt_len=np.array([r.prompt_len for r in rows]), content_len=content,
+                     budget_end=np.array([r.budget_end for r in rows]),
+                     draft_pending=np.full(len(rows), pending, dtype=np.int64), tokens=tokens,
+                     target_cache=_stacked_cache([r.target_kv for r in rows], list(content - 1)),
+                     draft_cache=_stacked_cache([r.draft_kv for r in rows], list(content - pending)))
+
+
+def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done,
+        pool_window: int | None = None, max_wait: int = 4):
+    pool = ExspecPool(batch_size, window=pool_window or 4 * batch_size, max_wait=max_wait)
+    for r in range(len(prompts)):
+        pool.submit(r)
+    stored: dict = {}
+    batch, grouped_rounds, fallbacks = None, 0, 0
+    round_index = 0
+    while pool.queue or pool.pool:
+        admitted = pool.admit()
+        if admitted:  # prefilled on their own, in one batch, then split into the pool
+            new = RectBatch.prefill([prompts[r] for r in admitted], admitted, [max_new[r] for r in admitted], target,
+                                    draft, settings, stats, clock)
+            with clock("time_align"):
+                for row in unstack(new):
+                    stored[row.request] = row
+                    pool.enter(row.request, row.key)
+        with clock("time_align"):
+            chosen, grouped = pool.select()
+            if batch is None or list(batch.request) != chosen:
+                if batch is not None:
+                    stored.update({row.request: row for row in unstack(batch)})
+                batch = stack([stored.pop(r) for r in chosen], target, draft, settings, stats, clock)
+        grouped_rounds += grouped
+        fallbacks += not grouped
+        round_index += 1
+        finished = set()
+        for request, tokens, reason in batch.round(round_index):
+            on_done(request, tokens, reason)
+            finished.add(request)
+        with clock("time_align"):
+            keys = {int(r): (int(c), 1, int(batch.width - cache_width(batch.draft_cache)) if draft is not None else 1)
+                    for r, c in zip(batch.request, batch.content_len)}
+            pool.finish_round(keys, finished)
+            if batch.size == 0:
+                batch = None
+        if settings.check:
+            raise_if(check_conservation(range(len(prompts)), pool.members()), round_index)
+    stats.extra.update(grouped_rounds=grouped_rounds, fallback_rounds=fallbacks,
+                       group_rate=grouped_rounds / max(round_index, 1))
