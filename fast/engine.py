@@ -69,6 +69,7 @@ class GenerationResult:
     stop_reasons: list  # "eos" or "length" per prompt
     stats: dict
     texts: list | None = None  # decoded sequences when a tokenizer was given
+    request_stats: list | None = None  # per request: rounds it ran, accepted_length (tokens per round)
 
 
 class Clock:

@@ -35,7 +35,9 @@ class ModelRunner:
 
 
 def vocab_size(model) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+    """Number of logits the model produces (its output embedding rows, else config.vocab_size)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
 def context_limit(model) -> int | None:

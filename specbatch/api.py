@@ -42,7 +42,7 @@ def _positive(name: str, value, allow_list: bool = False):
 def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 5, batch_size: int = 8,
              strategy: str = "eqspec", eos_token_id=None, pad_token_id=None, tokenizer=None,
              draft_tokenizer=None, check_invariants: bool = False, trace=None, progress: bool = False,
-             pool_window: int | None = None, max_wait: int = 4, temperature: float = 0.0,
+             pool_window: int | None = None, max_wait: int = 4, on_result=None, temperature: float = 0.0,
              **sampling) -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
@@ -55,6 +55,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     offsets, no realignment, continuous refill).
     check_invariants: check I1-I6 every round (slow; raises invariants.InvariantError).
     trace: path of a JSONL round trace (invariants.trace format).
+    on_result: called as on_result(request, tokens, stop_reason, rounds) when a request finishes.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
@@ -118,8 +119,10 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
         from tqdm import tqdm
         bar = tqdm(total=len(ids), desc=f"{strategy}", unit="req", leave=False)
 
-    def on_done(request, tokens, reason):
-        results[request] = (tokens, reason)
+    def on_done(request, tokens, reason, rounds):
+        results[request] = (tokens, reason, rounds)
+        if on_result is not None:
+            on_result(request, tokens, reason, rounds)
         if bar is not None:
             bar.update(1)
             elapsed = time.perf_counter() - start
@@ -143,4 +146,6 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     if writer is not None:
         writer.results(sequences, reasons)
     texts = [tokenizer.decode(s) for s in sequences] if tokenizer is not None else None
-    return GenerationResult(sequences, reasons, stats.as_dict(), texts)
+    per_request = [dict(rounds=results[r][2], accepted_length=len(results[r][0]) / max(results[r][2], 1))
+                   for r in range(len(ids))]
+    return GenerationResult(sequences, reasons, stats.as_dict(), texts, per_request)

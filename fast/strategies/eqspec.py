@@ -21,9 +21,10 @@ from ..verify import commit_counts, greedy_accept
 
 class RectBatch:
     def __init__(self, target, draft, settings: Settings, stats: Stats, clock, *, request, prompt_len, content_len,
-                 budget_end, draft_pending, tokens, target_cache, draft_cache):
+                 budget_end, draft_pending, tokens, target_cache, draft_cache, rounds=None):
         self.target, self.draft, self.settings, self.stats, self.clock = target, draft, settings, stats, clock
         self.request, self.prompt_len, self.content_len = request, prompt_len, content_len
+        self.rounds = np.zeros(len(request), dtype=np.int64) if rounds is None else rounds  # rounds each row ran
         self.budget_end, self.draft_pending, self.tokens = budget_end, draft_pending, tokens
         self.target_cache, self.draft_cache = target_cache, draft_cache
 
@@ -65,9 +66,10 @@ class RectBatch:
             found += check_rect_forward(self.pad_len_t, first_col, pos, mask, s.window)
         return runner(ids, pos, mask, cache, last_only=last_only), pos, mask
 
-    def round(self, round_index: int) -> list[tuple[int, list[int], str]]:
-        """One round; returns (request, new tokens, stop reason) of the rows that finished."""
+    def round(self, round_index: int) -> list[tuple[int, list[int], str, int]]:
+        """One round; returns (request, new tokens, stop reason, rounds) of the rows that finished."""
         s, width = self.settings, self.width
+        self.rounds += 1
         remaining = self.budget_end - self.content_len
         limit = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(self.size, dtype=np.int64)
         k = int(limit.max())
@@ -124,8 +126,8 @@ class RectBatch:
         host = extended[torch.as_tensor(rows, device=extended.device)].cpu().numpy()
         start = self.width - self.content_len[rows] + self.prompt_len[rows]
         end = self.width + n[rows]
-        return [(int(self.request[r]), host[j, start[j]:end[j]].tolist(), "eos" if hit_eos[r] else "length")
-                for j, r in enumerate(rows)]
+        return [(int(self.request[r]), host[j, start[j]:end[j]].tolist(), "eos" if hit_eos[r] else "length",
+                 int(self.rounds[r])) for j, r in enumerate(rows)]
 
     def _update(self, extended, keep, n, accepted, k):
         """The EQSPEC update on tokens and both caches: one gather each, or a crop when δ = 0."""
@@ -152,7 +154,7 @@ class RectBatch:
         if self.draft is not None:
             gather_cache(self.draft_cache, rows, source, new_width - int(pending[keep].max()))
         self.request, self.prompt_len, self.budget_end = self.request[keep], self.prompt_len[keep], self.budget_end[keep]
-        self.content_len, self.draft_pending = new_len[keep], pending[keep]
+        self.content_len, self.draft_pending, self.rounds = new_len[keep], pending[keep], self.rounds[keep]
 
     def _account(self, k, accepted, n):
         st = self.stats
@@ -188,5 +190,5 @@ def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock
                                   draft, settings, stats, clock)
         while batch.size:
             round_index += 1
-            for request, tokens, reason in batch.round(round_index):
-                on_done(request, tokens, reason)
+            for done in batch.round(round_index):
+                on_done(*done)

@@ -36,6 +36,7 @@ class PooledRow:
     target_kv: list
     draft_kv: list
     draft_pending: int  # tokens at the end of the content without draft K/V in draft_kv
+    rounds: int = 0  # rounds this request has run
 
     @property
     def key(self) -> tuple:
@@ -55,7 +56,7 @@ def unstack(batch: RectBatch) -> list[PooledRow]:
              for layer in cache_layers(batch.target_cache) if layer.keys.dim() == 4],
             [(layer.keys[i, :, pad:].transpose(0, 1), layer.values[i, :, pad:].transpose(0, 1))
              for layer in cache_layers(batch.draft_cache) if layer.keys.dim() == 4],
-            pending if batch.draft is not None else 1))
+            pending if batch.draft is not None else 1, int(batch.rounds[i])))
     return rows
 
 
@@ -84,6 +85,7 @@ def stack(rows: list[PooledRow], target, draft, settings: Settings, stats: Stats
                      prompt_len=np.array([r.prompt_len for r in rows]), content_len=content,
                      budget_end=np.array([r.budget_end for r in rows]),
                      draft_pending=np.full(len(rows), pending, dtype=np.int64), tokens=tokens,
+                     rounds=np.array([r.rounds for r in rows]),
                      target_cache=_stacked_cache([r.target_kv for r in rows], list(content - 1)),
                      draft_cache=_stacked_cache([r.draft_kv for r in rows], list(content - pending)))
 
@@ -115,9 +117,9 @@ def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock
         fallbacks += not grouped
         round_index += 1
         finished = set()
-        for request, tokens, reason in batch.round(round_index):
-            on_done(request, tokens, reason)
-            finished.add(request)
+        for done in batch.round(round_index):
+            on_done(*done)
+            finished.add(done[0])
         with clock("time_align"):
             keys = {int(r): (int(c), 1, int(batch.width - cache_width(batch.draft_cache)) if draft is not None else 1)
                     for r, c in zip(batch.request, batch.content_len)}

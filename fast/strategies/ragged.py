@@ -47,6 +47,7 @@ class RaggedEngine:
         self.prompt_len = np.zeros(slots, dtype=np.int64)
         self.budget_end = np.zeros(slots, dtype=np.int64)
         self.draft_pending = np.ones(slots, dtype=np.int64)
+        self.rounds = np.zeros(slots, dtype=np.int64)  # rounds the slot's request has run
         self.caches = {"target": SlotCache(num_layers(target), slots, capacity, dev)}
         if draft is not None:
             self.caches["draft"] = SlotCache(num_layers(draft), slots, capacity, dev)
@@ -84,7 +85,7 @@ class RaggedEngine:
         padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=dev)  # for the prefill
         self.request[slots], self.content_len[slots], self.prompt_len[slots] = requests, lens, lens
         self.budget_end[slots] = lens + np.array([self.max_new[r] for r in requests])
-        self.draft_pending[slots] = 1
+        self.draft_pending[slots], self.rounds[slots] = 1, 0
         if width > 1:
             query_index = np.arange(width - 1)[None, :] - (width - lens)[:, None]  # right-aligned, pads < 0
             rows_t = torch.as_tensor(slots, device=self.settings.device)
@@ -95,6 +96,7 @@ class RaggedEngine:
     def round(self, round_index: int, on_done) -> None:
         s = self.settings
         rows = np.nonzero(self.request >= 0)[0]
+        self.rounds[rows] += 1
         rows_t = None if len(rows) == self.slots else torch.as_tensor(rows, device=s.device)
         content = self.content_len[rows]
         remaining = self.budget_end[rows] - content
@@ -166,7 +168,7 @@ class RaggedEngine:
         host = self.tokens[torch.as_tensor(rows, device=self.settings.device)].cpu().numpy()
         for j, slot in enumerate(rows):
             on_done(int(self.request[slot]), host[j, self.prompt_len[slot]:self.content_len[slot]].tolist(),
-                    "eos" if hit_eos[j] else "length")
+                    "eos" if hit_eos[j] else "length", int(self.rounds[slot]))
             self.queue.release(int(slot))
             self.request[slot] = -1
 

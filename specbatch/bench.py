@@ -1,0 +1,192 @@
+"""`specbatch bench`: every method on the same prompts and models in one run, interleaved.
+
+Methods: ar (target-only decoding, batched, same engine), spec1 (speculative at batch 1),
+eqspec / exspec / ragged (speculative at each batch size), hf-assisted (transformers' assisted
+generation, batch 1 only: it refuses larger batches). For each (method, batch size) the run
+records tokens/s (generated tokens / wall time including prefill), the mean accepted length τ,
+the acceptance rate, the time breakdown (draft / verify / align / prefill), the alignment share,
+and exact match against target-only greedy decoding at batch 1. Repeats loop outermost and
+methods innermost, so machine drift touches every method alike; figures are means over repeats.
+Writes bench.json, bench.md and two PNG plots into --out-dir.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SPEC_METHODS = ("eqspec", "exspec", "ragged")
+BATCH_ONE = ("spec1", "hf-assisted")
+KNOWN = ("ar",) + BATCH_ONE + SPEC_METHODS
+
+
+def hf_assisted(target, draft, ids, max_new, k, eos_ids):
+    """transformers' assisted generation, one prompt at a time (greedy); with the lookup draft,
+    transformers' own prompt lookup decoding."""
+    from .fast.lookup_draft import PromptLookupDraft
+    if isinstance(draft, PromptLookupDraft):
+        assist = dict(prompt_lookup_num_tokens=k)
+    else:
+        assist = dict(assistant_model=draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+    sequences, start = [], time.perf_counter()
+    for prompt in ids:
+        x = torch.tensor([prompt], device=target.device)
+        with torch.inference_mode():
+            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                                  eos_token_id=list(eos_ids) or None, pad_token_id=eos_ids[0] if eos_ids else 0,
+                                  **assist)
+        new = out[0, len(prompt):].tolist()
+        cut = next((j + 1 for j, t in enumerate(new) if t in eos_ids), len(new))
+        sequences.append(new[:cut])
+    elapsed = time.perf_counter() - start
+    generated = sum(len(s) for s in sequences)
+    return sequences, dict(tokens_per_second=generated / elapsed, time_total=elapsed, generated_tokens=generated,
+                           mean_accepted_length=float("nan"), acceptance_rate=float("nan"), time_draft=0.0,
+                           time_verify=0.0, time_align=0.0, time_prefill=0.0, align_share=0.0)
+
+
+def run_method(method, batch, target, draft, ids, args, eos_ids):
+    import specbatch
+    if method == "hf-assisted":
+        return hf_assisted(target, draft, ids, args.max_new_tokens, args.num_draft_tokens, eos_ids)
+    strategy = method if method in SPEC_METHODS else "eqspec"
+    result = specbatch.generate(target, None if method == "ar" else draft, ids, max_new_tokens=args.max_new_tokens,
+                                num_draft_tokens=args.num_draft_tokens, batch_size=1 if method == "spec1" else batch,
+                                strategy=strategy, progress=True)
+    return result.sequences, result.stats
+
+
+def markdown_table(rows) -> str:
+    head = ("| method | batch | tokens/s | vs ar same batch | vs spec1 | τ | acceptance | draft s | verify s | "
+            "align s | prefill s | align share | exact match |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        fmt = lambda v, d=2: "-" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
+        lines.append(f"| {r['method']} | {r['batch']} | {fmt(r['tokens_per_second'], 1)} | {fmt(r.get('vs_ar'))}x | "
+                     f"{fmt(r.get('vs_spec1'))}x | {fmt(r['mean_accepted_length'])} | {fmt(r['acceptance_rate'])} | "
+                     f"{fmt(r['time_draft'])} | {fmt(r['time_verify'])} | {fmt(r['time_align'], 3)} | "
+                     f"{fmt(r['time_prefill'])} | {fmt(100 * r['align_share'], 1)}% | {r['exact']} |")
+    return "\n".join(lines)
+
+
+def plot(rows, out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = sorted((r["batch"], r["tokens_per_second"]) for r in rows if r["method"] == method)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("throughput (CPU)" if not torch.cuda.is_available() else "throughput")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
+    labels = [f"{r['method']}\nB={r['batch']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for part in ("time_prefill", "time_draft", "time_verify", "time_align"):
+        values = [r[part] for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=part.replace("time_", ""))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    other = [max(r["time_total"] - b, 0.0) for r, b in zip(rows, bottom)]
+    ax.bar(labels, other, bottom=bottom, label="other")
+    ax.set_ylabel("seconds")
+    ax.set_title("time breakdown")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "breakdown.png", dpi=120)
+    plt.close(fig)
+    return ["throughput.png", "breakdown.png"]
+
+
+def first_per_category(path, prompts, count: int):
+    """The first `count` prompts of each `category` (Spec-Bench files have one), in file order."""
+    categories = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            categories.append(json.loads(line).get("category", "all"))
+    seen: dict = {}
+    chosen = []
+    for prompt, category in zip(prompts, categories):
+        seen[category] = seen.get(category, 0) + 1
+        if seen[category] <= count:
+            chosen.append(prompt)
+    return chosen
+
+
+def run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError) -> int:
+    import specbatch
+    from .fast.models import eos_ids_of
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in KNOWN]
+    if unknown:
+        raise UserError(f"unknown method {unknown[0]!r}; expected some of {', '.join(KNOWN)}")
+    prompts = read_prompt_file(args.prompts)
+    if args.per_category:
+        prompts = first_per_category(args.prompts, prompts, args.per_category)
+    prompts = prompts[:args.limit]
+    target, draft, tokenizer = load_pair(args)
+    if draft is None and any(m != "ar" for m in methods):
+        raise UserError("speculative methods need --draft")
+    ids = encode_prompts([t for _, t in prompts], tokenizer, args.chat_template)
+    eos_ids = eos_ids_of(target)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"reference: target-only greedy at batch 1 on {len(ids)} prompts", file=sys.stderr)
+    reference = specbatch.generate(target, None, ids, max_new_tokens=args.max_new_tokens, batch_size=1,
+                                   progress=True).sequences
+    runs: dict = {}
+    for repeat in range(args.repeats):
+        for batch in args.batch_sizes:
+            for method in methods:
+                if method in BATCH_ONE and batch != args.batch_sizes[0]:
+                    continue
+                b = 1 if method in BATCH_ONE else batch
+                print(f"[repeat {repeat + 1}/{args.repeats}] {method} batch {b}", file=sys.stderr)
+                sequences, stats = run_method(method, b, target, draft, ids, args, eos_ids)
+                exact = sum(s == r for s, r in zip(sequences, reference))
+                runs.setdefault((method, b), []).append(dict(stats, exact=exact))
+    rows = []
+    for (method, batch), reps in runs.items():
+        row = {key: sum(r[key] for r in reps) / len(reps) for key in (
+            "tokens_per_second", "mean_accepted_length", "acceptance_rate", "time_draft", "time_verify",
+            "time_align", "time_prefill", "time_total", "align_share")}
+        row.update(method=method, batch=batch, exact=f"{min(r['exact'] for r in reps)}/{len(ids)}",
+                   tokens_per_second_runs=[r["tokens_per_second"] for r in reps])
+        rows.append(row)
+    by = {(r["method"], r["batch"]): r for r in rows}
+    for r in rows:
+        ar = by.get(("ar", r["batch"]))
+        spec1 = by.get(("spec1", 1))
+        r["vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"] if ar else None
+        r["vs_spec1"] = r["tokens_per_second"] / spec1["tokens_per_second"] if spec1 else None
+    rows.sort(key=lambda r: (r["batch"], KNOWN.index(r["method"])))
+    machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                   threads=torch.get_num_threads(), device=args.device, dtype=args.dtype,
+                   torch=torch.__version__, cuda=torch.cuda.get_device_name(0) if args.device.startswith("cuda")
+                   else None)
+    setup = dict(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(ids),
+                 chat_template=args.chat_template,
+                 max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, repeats=args.repeats,
+                 command=" ".join(sys.argv))
+    (out_dir / "bench.json").write_text(json.dumps(dict(machine=machine, setup=setup, rows=rows), indent=1))
+    table = markdown_table(rows)
+    (out_dir / "bench.md").write_text(f"Machine: {machine}\n\nSetup: {setup}\n\n{table}\n")
+    plots = plot(rows, out_dir)
+    print(table)
+    print(f"wrote {out_dir / 'bench.json'}, {out_dir / 'bench.md'}" + "".join(f", {out_dir / p}" for p in plots),
+          file=sys.stderr)
+    return 0
