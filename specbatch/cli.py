@@ -45,8 +45,11 @@ def int_list(text: str) -> list[int]:
 
 def load_pair(args):
     """(target, draft or None, tokenizer) as the arguments say, with errors as UserError."""
+    from transformers.utils import logging as hf_logging
+
     from .fast.loading import ModelLoadError, load_model, truncated_draft
     from .fast.models import check_pair
+    hf_logging.disable_progress_bar()  # our own bars only: errors stay one line
     try:
         target, tokenizer = load_model(args.target, args.dtype, args.device)
         if args.draft in (None, "none"):

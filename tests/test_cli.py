@@ -1,0 +1,192 @@
+"""The command line, in-process and as a subprocess, on tiny model folders saved with a real
+`tokenizers` tokenizer: results, order, resume, verify, bench, check-trace, and bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import specbatch
+import specbatch.io
+from hf_models import EOS, VOCAB, hf_greedy, tiny
+from specbatch.cli import main
+
+WORDS = [f"w{i}" for i in range(VOCAB)]
+WORDS[0], WORDS[1], WORDS[EOS] = "<unk>", "<s>", "</s>"
+CHAT = "{% for m in messages %}<s> {{ m['content'] }} </s>{% endfor %}{% if add_generation_prompt %} <s>{% endif %}"
+
+
+def save_folder(path, model):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  pad_token="</s>")
+    tok.chat_template = CHAT
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return dict(target=save_folder(root / "target", tiny("llama", dtype=torch.float32)),
+                draft=save_folder(root / "draft", tiny("llama", layers=1, seed=9, dtype=torch.float32)),
+                other=save_folder(root / "other", tiny("llama", layers=1, seed=9, dtype=torch.float32,
+                                                       vocab_size=VOCAB + 4)))
+
+
+PROMPTS = ["w10 w11 w12 w13", "w20", "w30 w31 w32 w33 w34 w35 w36 w37 w38 w39 w40 w41 w42 w43 w44 w45",
+           "w50 </s> w52", "w60 w61"]
+
+
+@pytest.fixture()
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    return path
+
+
+def args(folders, prompt_file, *extra):
+    return ["--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompt_file),
+            "--dtype", "float64", "--max-new-tokens", "10", "--batch-size", "3", *extra]
+
+
+def expected(folders):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float64)
+    tok = AutoTokenizer.from_pretrained(folders["target"])
+    return [hf_greedy(model, tok(p)["input_ids"], 10, (EOS,)) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "ragged"])
+def test_generate_writes_one_line_per_request_in_input_order(folders, prompt_file, tmp_path, strategy):
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", *args(folders, prompt_file, "--strategy", strategy, "--out", str(out))]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["id"] for x in lines] == [f"q{i}" for i in range(len(PROMPTS))]
+    assert [x["token_ids"] for x in lines] == expected(folders)
+    for x in lines:
+        assert x["num_tokens"] == len(x["token_ids"]) and x["stop_reason"] in ("eos", "length") and x["rounds"] >= 1
+        assert x["text"] == " ".join(WORDS[t] for t in x["token_ids"])
+
+
+def test_plain_text_and_spec_bench_prompt_files(folders, tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("\n".join(PROMPTS) + "\n\n")
+    bench = tmp_path / "q.jsonl"
+    bench.write_text("".join(json.dumps({"question_id": 80 + i, "category": "x", "turns": [p, "again"]}) + "\n"
+                             for i, p in enumerate(PROMPTS)))
+    outs = []
+    for source in (text, bench):
+        out = tmp_path / f"{source.stem}.out.jsonl"
+        assert main(["generate", *args(folders, source, "--out", str(out))]) == 0
+        outs.append([json.loads(x) for x in out.read_text().splitlines()])
+    assert [x["token_ids"] for x in outs[0]] == [x["token_ids"] for x in outs[1]] == expected(folders)
+    assert [x["id"] for x in outs[1]] == [str(80 + i) for i in range(len(PROMPTS))]
+
+
+def test_interrupted_run_keeps_its_results_and_resume_completes_it(folders, prompt_file, tmp_path, monkeypatch):
+    full = tmp_path / "full.jsonl"
+    assert main(["generate", *args(folders, prompt_file, "--out", str(full))]) == 0
+    part = tmp_path / "part.jsonl"
+    original = specbatch.io.ResultWriter.add
+    calls = []
+
+    def add_then_interrupt(self, record):
+        original(self, record)
+        calls.append(record["id"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(specbatch.io.ResultWriter, "add", add_then_interrupt)
+    assert main(["generate", *args(folders, prompt_file, "--out", str(part))]) == 130
+    monkeypatch.setattr(specbatch.io.ResultWriter, "add", original)
+    kept = [json.loads(x) for x in part.read_text().splitlines()]
+    assert len(kept) == 2 and all(k in [json.loads(x) for x in full.read_text().splitlines()] for k in kept)
+    with open(part, "a") as f:
+        f.write('{"id": "q9", "tok')  # a torn line from a crash
+    assert main(["generate", *args(folders, prompt_file, "--out", str(part), "--resume")]) == 0
+    assert part.read_text() == full.read_text()
+
+
+def test_verify_reports_exact_match_and_check_trace_accepts_the_trace(folders, prompt_file, tmp_path, capsys):
+    assert main(["verify", *args(folders, prompt_file, "--check-invariants")]) == 0
+    assert f"exact match: {len(PROMPTS)}/{len(PROMPTS)}" in capsys.readouterr().out
+    trace = tmp_path / "trace.jsonl"
+    assert main(["generate", *args(folders, prompt_file, "--out", str(tmp_path / "o.jsonl"), "--trace",
+                                   str(trace))]) == 0
+    assert main(["check-trace", str(trace)]) == 0
+
+
+def test_verify_flags_an_algorithmic_error(folders, prompt_file, monkeypatch, capsys):
+    real = specbatch.api.generate
+
+    def broken(target, draft, prompts, **kw):  # corrupt the candidate's first token of request 0
+        result = real(target, draft, prompts, **kw)
+        if draft is not None:
+            result.sequences[0][0] = (result.sequences[0][0] + 1) % VOCAB
+        return result
+    monkeypatch.setattr(specbatch.api, "generate", broken)
+    assert main(["verify", *args(folders, prompt_file)]) == 1
+    assert "ALGORITHMIC ERROR" in capsys.readouterr().out
+
+
+def test_bench_writes_table_json_and_plots(folders, prompt_file, tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompt_file),
+                 "--dtype", "float64", "--max-new-tokens", "6", "--batch-sizes", "1,2",
+                 "--methods", "ar,spec1,eqspec,exspec,ragged,hf-assisted", "--out-dir", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    methods = {(r["method"], r["batch"]) for r in data["rows"]}
+    assert {("ar", 1), ("ar", 2), ("spec1", 1), ("hf-assisted", 1), ("ragged", 2), ("exspec", 2)} <= methods
+    assert all(r["exact"] == f"{len(PROMPTS)}/{len(PROMPTS)}" for r in data["rows"])
+    assert all(r["vs_ar"] > 0 for r in data["rows"])
+    assert "| ragged | 2 |" in (out / "bench.md").read_text()
+    assert (out / "throughput.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda f, p, t: ["--target", str(t / "nope"), "--prompts", str(p)], "no such model folder or file"),
+    (lambda f, p, t: ["--target", f["target"], "--prompts", str(t / "missing.jsonl")], "no such prompt file"),
+    (lambda f, p, t: ["--target", f["target"], "--prompts", str(t / "empty.txt")], "the prompt file is empty"),
+    (lambda f, p, t: ["--target", f["target"], "--prompts", str(t / "bad.jsonl")], "bad.jsonl:2: malformed JSON"),
+    (lambda f, p, t: ["--target", f["target"], "--draft", f["other"], "--prompts", str(p)], "vocabularies differ"),
+    (lambda f, p, t: ["--target", f["target"], "--prompts", str(t / "long.txt")], "exceed the target's context"),
+    (lambda f, p, t: ["--target", f["target"], "--prompts", str(p), "--batch-size", "0"], "positive integer"),
+    (lambda f, p, t: ["--target", f["target"], "--prompts", str(p), "--max-new-tokens", "-3"], "positive integer"),
+    (lambda f, p, t: ["--target", f["target"], "--prompts", str(p), "--strategy", "magic"], "invalid choice"),
+])
+def test_bad_input_gives_one_line_and_exit_code_2(folders, prompt_file, tmp_path, capsys, make, message):
+    (tmp_path / "empty.txt").write_text("\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "w1"}\n{"prompt": \n')
+    (tmp_path / "long.txt").write_text(" ".join(["w5"] * 600) + "\n")
+    with pytest.raises(SystemExit) if "positive" in message or "choice" in message else _nothing() as caught:
+        code = main(["generate", *make(folders, prompt_file, tmp_path)])
+    code = caught.value.code if caught is not None and hasattr(caught, "value") else code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_subprocess_help_lists_commands_and_errors_have_no_traceback(folders, tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "specbatch", *a], capture_output=True, text=True)  # noqa
+    helped = run("--help")
+    assert helped.returncode == 0
+    assert all(c in helped.stdout for c in ("generate", "verify", "bench", "demo", "check-trace"))
+    bad = run("generate", "--target", folders["target"], "--prompts", str(tmp_path / "none.jsonl"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "no such prompt file" in bad.stderr
+
+
+def test_demo_offline_fallback_shows_the_equivalence_check(capsys):
+    assert main(["demo", "--offline", "--max-new-tokens", "8"]) == 0
+    assert "exact match against target-only greedy decoding at batch 1: 16/16" in capsys.readouterr().out
