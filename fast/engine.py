@@ -28,7 +28,7 @@ class Settings:
     pad_id: int = 0
     check: bool = False
     trace: TraceWriter | None = None
-    progress: object = None  # a tqdm bar, or None
+    chooser: object = None  # fast.sampling: Greedy, Rejection or Coupled
 
     @property
     def eos(self) -> torch.Tensor:

@@ -7,6 +7,7 @@ import time
 import torch
 
 from .fast.engine import Clock, GenerationResult, Settings, Stats
+from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
 from .invariants import TraceWriter
 
@@ -43,7 +44,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
              strategy: str = "eqspec", eos_token_id=None, pad_token_id=None, tokenizer=None,
              draft_tokenizer=None, check_invariants: bool = False, trace=None, progress: bool = False,
              pool_window: int | None = None, max_wait: int = 4, on_result=None, temperature: float = 0.0,
-             **sampling) -> GenerationResult:
+             top_k: int | None = None, top_p: float | None = None, seed=0,
+             sampling: str = "rejection") -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
     Greedy output equals target-only greedy decoding token for token (proofs_notes/).
@@ -53,15 +55,26 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     strategy: "eqspec" (realign every round), "exspec" (pool of same-length groups; pool_window
     rows, default 4 x batch_size, and max_wait rounds of bounded waiting), "ragged" (per-row
     offsets, no realignment, continuous refill).
+    temperature 0 is greedy; otherwise tokens are sampled after temperature / top_k / top_p (the same
+    processors for target and draft): sampling="rejection" keeps the target's distribution exactly,
+    sampling="coupled" equals target-only coupled sampling with the same seed token for token.
+    seed: int, or one per prompt; randomness is keyed by (seed, request, position), never by slot.
     check_invariants: check I1-I6 every round (slow; raises invariants.InvariantError).
     trace: path of a JSONL round trace (invariants.trace format).
     on_result: called as on_result(request, tokens, stop_reason, rounds) when a request finishes.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    if temperature or sampling:
-        raise ValueError("only greedy decoding (temperature=0) is available so far; got "
-                         f"temperature={temperature!r} {sampling or ''}".strip())
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if sampling not in ("rejection", "coupled"):
+        raise ValueError(f"unknown sampling mode {sampling!r}; expected 'rejection' or 'coupled'")
+    if top_k is not None:
+        _positive("top_k", top_k)
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(seed, (list, tuple)) and len(seed) != len(prompts):
+        raise ValueError(f"seed has {len(seed)} entries for {len(prompts)} prompts")
     _positive("num_draft_tokens", num_draft_tokens)
     _positive("batch_size", batch_size)
     if pool_window is not None:
@@ -100,8 +113,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
                 raise ValueError(f"target and draft have different sliding windows ({window} and {w})")
             window = w
 
-    device = next(target.parameters()).device
-    dtype = next(target.parameters()).dtype
+    first = next(iter(list(target.parameters()) + list(target.buffers())))
+    device, dtype = first.device, first.dtype
     eos_ids = eos_ids_of(target, eos_token_id)
     pad_id = pad_token_id if pad_token_id is not None else (getattr(target.config, "pad_token_id", None) or 0)
     stats = Stats()
@@ -110,7 +123,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
         writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy, eos_token_ids=eos_ids,
                              max_new_tokens=max_new, num_requests=len(ids), window=window)
     settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
-                        pad_id=int(pad_id), check=check_invariants, trace=writer)
+                        pad_id=int(pad_id), check=check_invariants, trace=writer,
+                        chooser=make_chooser(temperature, top_k, top_p, seed, sampling, len(ids), device))
     target_runner = ModelRunner(target)
     draft_runner = ModelRunner(draft) if draft is not None else None
     results: dict = {}

@@ -26,7 +26,10 @@ PROMPTS = [[1, 2, 3], [4, EOS, 6, 7, 8, 9], [10]]
     (dict(batch_size=0), "batch_size must be a positive integer"),
     (dict(strategy="fastest"), "unknown strategy 'fastest'"),
     (dict(prompts=[[1] * 500]), "prompt 0: 500 prompt tokens + 8 new + 5 draft tokens exceed the target's context of 512"),
-    (dict(temperature=0.7), "only greedy decoding"),
+    (dict(temperature=-1.0), "temperature must be a number >= 0"),
+    (dict(temperature=0.7, sampling="magic"), "unknown sampling mode"),
+    (dict(temperature=0.7, top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(temperature=0.7, seed=[1, 2]), "seed has 2 entries for 3 prompts"),
 ])
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
     args = dict(prompts=PROMPTS, max_new_tokens=8)

@@ -16,7 +16,7 @@ from ..cache import cache_width, gather_cache, rect_inputs
 from ...invariants import check_alignment
 from ..engine import (Settings, Stats, check_cache_row, check_commit, check_rect_forward, dynamic_layer_kv,
                       raise_violations, trace_rows)
-from ..verify import commit_counts, greedy_accept
+from ..verify import commit_counts
 
 
 class RectBatch:
@@ -75,24 +75,27 @@ class RectBatch:
         k = int(limit.max())
         found = check_alignment(width - self.content_len, self.content_len, width) if s.check else []
 
-        drafted = self.tokens.new_empty((self.size, 0))
+        dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
+        requests, content = dev(self.request), dev(self.content_len)
+        drafted, q = self.tokens.new_empty((self.size, 0)), None
         if k:
             with self.clock("time_draft"):
                 pending = int(self.draft_pending.max())  # re-feed the last `pending` tokens of every row
-                ids, first, steps = self.tokens[:, width - pending:], width - pending, []
-                for _ in range(k):
+                ids, first, steps, dists = self.tokens[:, width - pending:], width - pending, [], []
+                for step in range(k):
                     logits, _, _ = self.forward(self.draft, ids, first, self.draft_cache, found, last_only=True)
                     first += ids.shape[1]
-                    ids = logits[:, -1].argmax(dim=-1, keepdim=True)
+                    token, dist = s.chooser.draft(logits[:, -1], requests, content + step)
+                    ids = token[:, None]
                     steps.append(ids)
+                    dists.append(dist)
                 drafted = torch.cat(steps, dim=1)
+                q = torch.stack(dists, dim=1) if s.chooser.needs_q else None
 
         with self.clock("time_verify"):
             ids = torch.cat([self.tokens[:, -1:], drafted], dim=1)
             logits, pos, mask = self.forward(self.target, ids, width - 1, self.target_cache, found)
-            choice = logits.argmax(dim=-1)
-            dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
-            accepted_t = greedy_accept(drafted, choice, dev(limit))
+            choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(limit), requests, content)
             n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
             accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
         finished = (hit_eos == 1) | (n == remaining)

@@ -16,7 +16,7 @@ from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
 from ..engine import Settings, Stats, check_cache_row, check_commit, raise_violations, trace_rows
 from ..slot_cache import SlotCache
-from ..verify import commit_counts, greedy_accept
+from ..verify import commit_counts
 
 
 def ragged_inputs(query_index: torch.Tensor, kv_len: int, window: int | None, dtype, fill: float):
@@ -105,28 +105,31 @@ class RaggedEngine:
         found: list = []
         rows_dev = torch.as_tensor(rows, device=s.device)
 
-        drafted = self.tokens.new_empty((len(rows), 0))
+        dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
+        requests, content_t = dev(self.request[rows]), dev(content)
+        drafted, q = self.tokens.new_empty((len(rows), 0)), None
         if k:
             with self.clock("time_draft"):
                 pending = int(self.draft_pending[rows].max())
                 query_index = content[:, None] - pending + np.arange(pending)[None, :]
                 ids = self.tokens[rows_dev[:, None], torch.as_tensor(np.maximum(query_index, 0), device=s.device)]
-                steps = []
+                steps, dists = [], []
                 for step in range(k):
                     logits, _, _ = self.forward("draft", rows_t, query_index, ids, found, last_only=True)
-                    ids = logits[:, -1].argmax(dim=-1, keepdim=True)
+                    token, dist = s.chooser.draft(logits[:, -1], requests, content_t + step)
+                    ids = token[:, None]
                     steps.append(ids)
+                    dists.append(dist)
                     query_index = content[:, None] + step
                 drafted = torch.cat(steps, dim=1)
+                q = torch.stack(dists, dim=1) if s.chooser.needs_q else None
 
         with self.clock("time_verify"):
             query_index = content[:, None] - 1 + np.arange(k + 1)[None, :]
             last = self.tokens[rows_dev, torch.as_tensor(content - 1, device=s.device)]
             ids = torch.cat([last[:, None], drafted], dim=1)
             logits, pos, mask = self.forward("target", rows_t, query_index, ids, found)
-            choice = logits.argmax(dim=-1)
-            dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
-            accepted_t = greedy_accept(drafted, choice, dev(limit))
+            choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(limit), requests, content_t)
             n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
             accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()
 

@@ -1,0 +1,158 @@
+"""How tokens are chosen: greedy, rejection sampling, or coupled (shared-Gumbel) sampling.
+
+Every strategy calls a `Chooser` twice per round: `draft` for each draft step (the proposal, and
+for rejection sampling the draft's distribution q), and `verify` on the target's logits, which
+returns (choice [R, k+1], accepted [R]) such that the row commits choice[:, :n] (n from the EOS and
+budget rule). Randomness comes from fast.rng, keyed by (seed, request, absolute position, purpose).
+
+- greedy: choice = argmax; accepted = agreeing prefix (I5).
+- rejection (Leviathan et al., Chen et al.): accept draft d with probability min(1, p(d)/q(d)); on the
+  first reject sample from norm(max(0, p - q)); when every considered draft is accepted, sample the
+  next token from p. The committed tokens are distributed exactly as target-only sampling.
+- coupled: one Gumbel vector g per (seed, request, position); target token argmax(log p + g), draft
+  proposal argmax(log q + g), verification is equality: the committed stream equals target-only
+  coupled sampling token for token, for any draft.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import rng
+from .verify import greedy_accept
+
+
+def processed_log_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None):
+    """log-probabilities after temperature, top-k and top-p (float64; -inf outside the kept set)."""
+    x = logits.double() / temperature
+    if top_k is not None and top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+        drop_sorted = before >= top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.log_softmax(dim=-1)
+
+
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """min(1, p/q) for every token (1 where q = 0: such a token is never proposed)."""
+    return torch.where(q > 0, (p / q.clamp(min=1e-300)).clamp(max=1.0), torch.ones_like(p))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)); equal to p where p = q (then a reject cannot happen anyway)."""
+    r = (p - q).clamp(min=0)
+    total = r.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp(min=1e-300), p)
+
+
+def one_round_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Closed form of the first committed token's distribution given one draft from q: the draft is
+    accepted with probability min(1, p/q), else the token comes from the residual. Built from the
+    same functions the sampler uses; it must equal p (tested for many imposed (p, q))."""
+    accepted = q * acceptance_probability(p, q)
+    return accepted + (1 - accepted.sum(dim=-1, keepdim=True)) * residual_distribution(p, q)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row of normalised probs [..., V] with uniforms u [...].
+
+    It does not renormalise (an unnormalised residual would be a bug worth seeing); a u beyond the
+    rounded total lands on the last token of non-zero probability."""
+    cdf = probs.cumsum(dim=-1)
+    index = torch.searchsorted(cdf, u.unsqueeze(-1).contiguous()).squeeze(-1)
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).long().argmax(dim=-1)
+    return torch.minimum(index, last)
+
+
+def next_distribution(p_at, q_at, rejected):
+    """The distribution of the token after the accepted drafts: the residual after a reject, else p."""
+    return torch.where(rejected[:, None], residual_distribution(p_at, q_at), p_at)
+
+
+class Greedy:
+    needs_q = False
+
+    def draft(self, logits, requests, positions):
+        return logits.argmax(dim=-1), None
+
+    def verify(self, logits, drafted, q, limit, requests, first_position):
+        choice = logits.argmax(dim=-1)
+        return choice, greedy_accept(drafted, choice, limit)
+
+
+class Sampled:
+    """Common parts of the two sampling modes: processors and per-request seeds."""
+
+    def __init__(self, temperature: float, top_k, top_p, seeds: torch.Tensor):
+        self.temperature, self.top_k, self.top_p, self.seeds = temperature, top_k, top_p, seeds
+
+    def log_probs(self, logits):
+        return processed_log_probs(logits, self.temperature, self.top_k, self.top_p)
+
+
+class Coupled(Sampled):
+    needs_q = False
+
+    def _perturbed(self, logits, requests, positions):
+        noise = rng.gumbel(self.seeds[requests], requests, positions, logits.shape[-1])
+        return self.log_probs(logits) + noise
+
+    def draft(self, logits, requests, positions):
+        return self._perturbed(logits, requests, positions).argmax(dim=-1), None
+
+    def verify(self, logits, drafted, q, limit, requests, first_position):
+        width = logits.shape[1]
+        positions = first_position[:, None] + torch.arange(width, device=logits.device)[None, :]
+        choice = self._perturbed(logits, requests[:, None].expand(-1, width), positions).argmax(dim=-1)
+        return choice, greedy_accept(drafted, choice, limit)
+
+
+class Rejection(Sampled):
+    needs_q = True
+
+    def draft(self, logits, requests, positions):
+        q = self.log_probs(logits).exp()
+        u = rng.uniform(self.seeds[requests], requests, positions, "draft")
+        return sample_from(q, u), q
+
+    def verify(self, logits, drafted, q, limit, requests, first_position):
+        rows, width = logits.shape[0], logits.shape[1]
+        k = width - 1
+        p = self.log_probs(logits).exp()  # [R, k+1, V]
+        positions = first_position[:, None] + torch.arange(width, device=logits.device)[None, :]
+        seeds, reqs = self.seeds[requests][:, None].expand(-1, width), requests[:, None].expand(-1, width)
+        if k:
+            p_d = p[:, :k].gather(-1, drafted[..., None])[..., 0]
+            q_d = q.gather(-1, drafted[..., None])[..., 0]
+            u = rng.uniform(seeds[:, :k], reqs[:, :k], positions[:, :k], "accept")
+            ok = (u * q_d < p_d) & (torch.arange(k, device=logits.device)[None, :] < limit[:, None])
+            accepted = ok.long().cumprod(dim=1).sum(dim=1)
+        else:
+            accepted = torch.zeros(rows, dtype=torch.long, device=logits.device)
+        # the token after the accepted drafts: residual on a real reject, else from p
+        at = accepted[:, None]
+        p_at = p.gather(1, at[..., None].expand(-1, 1, p.shape[-1]))[:, 0]
+        rejected = accepted < limit
+        if k:
+            q_at = q.gather(1, at.clamp(max=k - 1)[..., None].expand(-1, 1, q.shape[-1]))[:, 0]
+            dist = next_distribution(p_at, q_at, rejected)
+        else:
+            dist = p_at
+        u = rng.uniform(seeds[:, 0], reqs[:, 0], positions.gather(1, at)[:, 0], "sample")
+        token = sample_from(dist, u)
+        choice = torch.cat([drafted, drafted.new_zeros(rows, 1)], dim=1) if k else drafted.new_zeros(rows, 1)
+        choice.scatter_(1, at, token[:, None])
+        return choice, accepted
+
+
+def make_chooser(temperature: float, top_k, top_p, seed, sampling: str, num_requests: int, device):
+    if not temperature:
+        return Greedy()
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed] * num_requests
+    seeds = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=device)
+    cls = {"rejection": Rejection, "coupled": Coupled}[sampling]
+    return cls(float(temperature), top_k, top_p, seeds)
