@@ -13,6 +13,35 @@ from ..invariants import (TraceWriter, check_kv, check_mask, check_positions, ch
                           mask_strings, raise_if)
 from .cache import layout_index, rect_inputs
 from .models import ModelRunner
+from .sampling import Greedy
+
+
+class Arrivals:
+    """Releases requests to a scheduler once their arrival time has come (offsets in seconds from
+    the start, nondecreasing in request order); without offsets every request is there at once."""
+
+    def __init__(self, count: int, offsets=None):
+        self.count, self.offsets, self.released = count, offsets, 0
+        self.start = time.perf_counter()
+
+    def due(self) -> list[int]:
+        if self.offsets is None:
+            upto = self.count
+        else:
+            now = time.perf_counter() - self.start
+            upto = self.released
+            while upto < self.count and self.offsets[upto] <= now:
+                upto += 1
+        out, self.released = list(range(self.released, upto)), upto
+        return out
+
+    def pending(self) -> bool:
+        return self.released < self.count
+
+    def wait(self) -> None:
+        """Sleep until the next request arrives (nothing else to do)."""
+        if self.pending() and self.offsets is not None:
+            time.sleep(max(0.0, self.offsets[self.released] - (time.perf_counter() - self.start)))
 
 
 @dataclass
@@ -28,7 +57,8 @@ class Settings:
     pad_id: int = 0
     check: bool = False
     trace: TraceWriter | None = None
-    chooser: object = None  # fast.sampling: Greedy, Rejection or Coupled
+    chooser: object = field(default_factory=Greedy)  # fast.sampling: Greedy, Rejection or Coupled
+    arrivals: Arrivals | None = None  # when requests become available (None: all at once)
 
     @property
     def eos(self) -> torch.Tensor:

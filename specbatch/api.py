@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .fast.engine import Clock, GenerationResult, Settings, Stats
+from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
 from .invariants import TraceWriter
@@ -45,7 +45,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
              draft_tokenizer=None, check_invariants: bool = False, trace=None, progress: bool = False,
              pool_window: int | None = None, max_wait: int = 4, on_result=None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed=0,
-             sampling: str = "rejection") -> GenerationResult:
+             sampling: str = "rejection", arrivals=None) -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
     Greedy output equals target-only greedy decoding token for token (proofs_notes/).
@@ -61,6 +61,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     seed: int, or one per prompt; randomness is keyed by (seed, request, position), never by slot.
     check_invariants: check I1-I6 every round (slow; raises invariants.InvariantError).
     trace: path of a JSONL round trace (invariants.trace format).
+    arrivals: optional arrival time (seconds after the start, nondecreasing) per request, for latency
+    benchmarks: a request is not scheduled before it arrives; request_stats then hold its latency.
     on_result: called as on_result(request, tokens, stop_reason, rounds) when a request finishes.
     """
     if strategy not in STRATEGIES:
@@ -73,6 +75,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
         _positive("top_k", top_k)
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if arrivals is not None and (len(arrivals) != len(prompts) or any(b < a for a, b in zip(arrivals, arrivals[1:]))):
+        raise ValueError("arrivals must give one nondecreasing time per prompt")
     if isinstance(seed, (list, tuple)) and len(seed) != len(prompts):
         raise ValueError(f"seed has {len(seed)} entries for {len(prompts)} prompts")
     _positive("num_draft_tokens", num_draft_tokens)
@@ -134,7 +138,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
         bar = tqdm(total=len(ids), desc=f"{strategy}", unit="req", leave=False)
 
     def on_done(request, tokens, reason, rounds):
-        results[request] = (tokens, reason, rounds)
+        results[request] = (tokens, reason, rounds, time.perf_counter() - start)
         if on_result is not None:
             on_result(request, tokens, reason, rounds)
         if bar is not None:
@@ -144,6 +148,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
             bar.set_postfix(tok_s=f"{stats.generated_tokens / elapsed:.1f}", tau=f"{tau:.2f}")
 
     start = time.perf_counter()
+    settings.arrivals = Arrivals(len(ids), arrivals)
     clock = Clock(stats, device)
     from .fast.strategies import eqspec, exspec, ragged
     run = {"eqspec": eqspec.run, "ragged": ragged.run,
@@ -160,6 +165,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     if writer is not None:
         writer.results(sequences, reasons)
     texts = [tokenizer.decode(s) for s in sequences] if tokenizer is not None else None
-    per_request = [dict(rounds=results[r][2], accepted_length=len(results[r][0]) / max(results[r][2], 1))
+    per_request = [dict(rounds=results[r][2], accepted_length=len(results[r][0]) / max(results[r][2], 1),
+                        latency=results[r][3] - (arrivals[r] if arrivals is not None else 0.0))
                    for r in range(len(ids))]
     return GenerationResult(sequences, reasons, stats.as_dict(), texts, per_request)

@@ -127,6 +127,35 @@ def first_per_category(path, prompts, count: int):
     return chosen
 
 
+def arrival_bench(target, draft, ids, args, batch: int, methods) -> list[dict]:
+    """Poisson arrivals (rate --arrival-rate, seed 0): request latency percentiles and throughput."""
+    import numpy as np
+
+    import specbatch
+    gaps = np.random.default_rng(0).exponential(1.0 / args.arrival_rate, len(ids))
+    arrivals = np.cumsum(gaps) - gaps[0]
+    rows = []
+    for method in [m for m in methods if m in ("ar",) + SPEC_METHODS]:
+        print(f"[arrivals] {method} batch {batch}", file=sys.stderr)
+        result = specbatch.generate(target, None if method == "ar" else draft, ids, max_new_tokens=args.max_new_tokens,
+                                    num_draft_tokens=args.num_draft_tokens, batch_size=batch,
+                                    strategy="eqspec" if method == "ar" else method, arrivals=list(arrivals),
+                                    progress=True)
+        latency = np.array([r["latency"] for r in result.request_stats])
+        rows.append(dict(method=method, batch=batch, p50=float(np.percentile(latency, 50)),
+                         p90=float(np.percentile(latency, 90)), p99=float(np.percentile(latency, 99)),
+                         tokens_per_second=result.stats["tokens_per_second"]))
+    return rows
+
+
+def arrival_table(rows, rate) -> str:
+    lines = [f"Poisson arrivals at {rate} requests/s:", "", "| method | batch | P50 latency s | P90 s | P99 s | tokens/s |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['batch']} | {r['p50']:.2f} | {r['p90']:.2f} | {r['p99']:.2f} | "
+              f"{r['tokens_per_second']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError) -> int:
     import specbatch
     from .fast.models import eos_ids_of
@@ -182,8 +211,12 @@ def run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError) -> i
                  chat_template=args.chat_template,
                  max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, repeats=args.repeats,
                  command=" ".join(sys.argv))
-    (out_dir / "bench.json").write_text(json.dumps(dict(machine=machine, setup=setup, rows=rows), indent=1))
+    latency_rows = arrival_bench(target, draft, ids, args, max(args.batch_sizes), methods) if args.arrival_rate else []
+    (out_dir / "bench.json").write_text(json.dumps(dict(machine=machine, setup=setup, rows=rows,
+                                                        arrivals=latency_rows), indent=1))
     table = markdown_table(rows)
+    if latency_rows:
+        table += "\n\n" + arrival_table(latency_rows, args.arrival_rate)
     (out_dir / "bench.md").write_text(f"Machine: {machine}\n\nSetup: {setup}\n\n{table}\n")
     plots = plot(rows, out_dir)
     print(table)

@@ -138,13 +138,16 @@ def test_bench_writes_table_json_and_plots(folders, prompt_file, tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", "--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompt_file),
                  "--dtype", "float64", "--max-new-tokens", "6", "--batch-sizes", "1,2",
-                 "--methods", "ar,spec1,eqspec,exspec,ragged,hf-assisted", "--out-dir", str(out)]) == 0
+                 "--methods", "ar,spec1,eqspec,exspec,ragged,hf-assisted", "--arrival-rate", "50",
+                 "--out-dir", str(out)]) == 0
     data = json.loads((out / "bench.json").read_text())
     methods = {(r["method"], r["batch"]) for r in data["rows"]}
     assert {("ar", 1), ("ar", 2), ("spec1", 1), ("hf-assisted", 1), ("ragged", 2), ("exspec", 2)} <= methods
     assert all(r["exact"] == f"{len(PROMPTS)}/{len(PROMPTS)}" for r in data["rows"])
     assert all(r["vs_ar"] > 0 for r in data["rows"])
     assert "| ragged | 2 |" in (out / "bench.md").read_text()
+    assert [r["method"] for r in data["arrivals"]] == ["ar", "eqspec", "exspec", "ragged"]
+    assert all(0 < r["p50"] <= r["p90"] <= r["p99"] for r in data["arrivals"])
     assert (out / "throughput.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
 
 

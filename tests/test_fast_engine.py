@@ -234,3 +234,14 @@ def test_ragged_moves_no_cache_data_and_keeps_the_batch_full():
         engine.round(rounds, lambda r, tokens, reason, n: done.setdefault(r, tokens))
     assert {name: [layer.keys.data_ptr() for layer in cache.layers] for name, cache in engine.caches.items()} == pointers
     assert [done[r] for r in range(len(PROMPTS))] == oracle(target, PROMPTS, [3, 9, 5, 12, 2, 7], [EOS])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_requests_arriving_over_time_are_served_after_they_arrive(strategy):
+    target = tiny("llama")
+    arrivals = [0.0, 0.0, 0.05, 0.1, 0.2, 0.2]
+    result = specbatch.generate(target, ScriptedDraft(target, deviate_hashed(5, 0.3)), PROMPTS, max_new_tokens=6,
+                                num_draft_tokens=3, batch_size=2, strategy=strategy, arrivals=arrivals,
+                                check_invariants=True)
+    assert result.sequences == oracle(target, PROMPTS, 6, [EOS])
+    assert all(r["latency"] > 0 for r in result.request_stats)

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from ..cache import cache_width, gather_cache, rect_inputs
 from ...invariants import check_alignment
-from ..engine import (Settings, Stats, check_cache_row, check_commit, check_rect_forward, dynamic_layer_kv,
+from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_commit, check_rect_forward, dynamic_layer_kv,
                       raise_violations, trace_rows)
 from ..verify import commit_counts
 
@@ -184,11 +184,17 @@ class RectBatch:
 
 
 def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):
-    """EQSPEC over all requests: fixed batches of `batch_size` in input order; a finished row leaves
-    its batch at once (no zombie rows)."""
+    """EQSPEC over all requests: fixed batches of up to `batch_size` requests in arrival (input)
+    order; a finished row leaves its batch at once (no zombie rows)."""
+    arrivals = settings.arrivals or Arrivals(len(prompts))
+    waiting: list = []
     round_index = 0
-    for start in range(0, len(prompts), batch_size):
-        requests = list(range(start, min(start + batch_size, len(prompts))))
+    while arrivals.pending() or waiting:
+        waiting += arrivals.due()
+        if not waiting:
+            arrivals.wait()
+            continue
+        requests, waiting = waiting[:batch_size], waiting[batch_size:]
         batch = RectBatch.prefill([prompts[r] for r in requests], requests, [max_new[r] for r in requests], target,
                                   draft, settings, stats, clock)
         while batch.size:

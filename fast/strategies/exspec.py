@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from ...invariants import check_conservation, raise_if
 from ...reference.pool import ExspecPool
 from ..cache import cache_layers, cache_width
-from ..engine import Settings, Stats
+from ..engine import Arrivals, Settings, Stats
 from .eqspec import RectBatch
 
 
@@ -93,12 +93,16 @@ def stack(rows: list[PooledRow], target, draft, settings: Settings, stats: Stats
 def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done,
         pool_window: int | None = None, max_wait: int = 4):
     pool = ExspecPool(batch_size, window=pool_window or 4 * batch_size, max_wait=max_wait)
-    for r in range(len(prompts)):
-        pool.submit(r)
+    arrivals = settings.arrivals or Arrivals(len(prompts))
     stored: dict = {}
     batch, grouped_rounds, fallbacks = None, 0, 0
     round_index = 0
-    while pool.queue or pool.pool:
+    while arrivals.pending() or pool.queue or pool.pool:
+        for r in arrivals.due():
+            pool.submit(r)
+        if not pool.queue and not pool.pool:
+            arrivals.wait()
+            continue
         admitted = pool.admit()
         if admitted:  # prefilled on their own, in one batch, then split into the pool
             new = RectBatch.prefill([prompts[r] for r in admitted], admitted, [max_new[r] for r in admitted], target,
@@ -127,6 +131,6 @@ def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock
             if batch.size == 0:
                 batch = None
         if settings.check:
-            raise_if(check_conservation(range(len(prompts)), pool.members()), round_index)
+            raise_if(check_conservation(range(arrivals.released), pool.members()), round_index)
     stats.extra.update(grouped_rounds=grouped_rounds, fallback_rounds=fallbacks,
                        group_rate=grouped_rounds / max(round_index, 1))

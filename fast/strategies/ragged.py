@@ -14,7 +14,7 @@ import torch
 
 from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
-from ..engine import Settings, Stats, check_cache_row, check_commit, raise_violations, trace_rows
+from ..engine import Arrivals, Settings, Stats, check_cache_row, check_commit, raise_violations, trace_rows
 from ..slot_cache import SlotCache
 from ..verify import commit_counts
 
@@ -52,8 +52,7 @@ class RaggedEngine:
         if draft is not None:
             self.caches["draft"] = SlotCache(num_layers(draft), slots, capacity, dev)
         self.queue = SlotQueue(slots)
-        for r in range(len(prompts)):
-            self.queue.submit(r)
+        self.arrivals = settings.arrivals or Arrivals(len(prompts))
 
     def forward(self, name, rows_t, query_index: np.ndarray, ids, found, last_only=False):
         """One forward of `name` over the slot rows `rows_t` (None: all) with per-row query indices."""
@@ -71,6 +70,8 @@ class RaggedEngine:
 
     def admit(self) -> None:
         """Prefill newly placed requests into their slots, in one forward per model."""
+        for r in self.arrivals.due():
+            self.queue.submit(r)
         placed = self.queue.refill()
         if not placed:
             return
@@ -156,7 +157,7 @@ class RaggedEngine:
         self.stats.accepted_tokens += int(accepted.sum())
         self.stats.generated_tokens += int(n.sum())
         if s.check:
-            found += check_conservation(range(len(self.prompts)), self.queue.members())
+            found += check_conservation(range(self.arrivals.released), self.queue.members())
             found += self._check_caches(round_index)
             raise_violations(found, round_index)
 
@@ -192,7 +193,12 @@ class RaggedEngine:
 
     def run(self, on_done) -> None:
         round_index = 0
-        while self.queue.queue or (self.request >= 0).any():
+        while self.arrivals.pending() or self.queue.queue or (self.request >= 0).any():
+            for r in self.arrivals.due():
+                self.queue.submit(r)
+            if not self.queue.queue and not (self.request >= 0).any():
+                self.arrivals.wait()
+                continue
             self.admit()
             round_index += 1
             self.round(round_index, on_done)
