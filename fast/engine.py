@@ -14,6 +14,7 @@ from ..invariants import (TraceWriter, check_kv, check_mask, check_positions, ch
 from .cache import layout_index, rect_inputs
 from .models import ModelRunner
 from .sampling import Greedy
+from .verify import committed_lists
 
 
 class Arrivals:
@@ -80,6 +81,14 @@ class Stats:
     target_tokens_processed: int = 0
     draft_tokens_processed: int = 0
     extra: dict = field(default_factory=dict)
+
+    def add_round(self, k: int, accepted, n) -> None:
+        """Account one round: k drafts for each of len(n) rows, their accepted and committed counts."""
+        self.rounds += 1
+        self.row_rounds += len(n)
+        self.drafted_tokens += k * len(n)
+        self.accepted_tokens += int(accepted.sum())
+        self.generated_tokens += int(n.sum())
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in (
@@ -160,9 +169,21 @@ def dynamic_layer_kv(cache: DynamicCache, row: int):
     return lambda layer: (cache.layers[layer].keys[row].transpose(0, 1), cache.layers[layer].values[row].transpose(0, 1))
 
 
-def check_commit(drafted, choice, limit, accepted, committed, remaining, settings: Settings) -> list:
-    return check_round_commit(drafted.cpu().numpy(), choice.cpu().numpy(), limit, accepted, committed, remaining,
-                              settings.eos_ids)
+def observe_round(settings: Settings, found: list, round_index: int, rows: dict, pos, mask, drafted, choice, limit,
+                  accepted, n, remaining, finished) -> None:
+    """check_invariants (I5, I6 of the commit) and trace output of one round, for any layout.
+
+    rows: requests, prompt_len, tokens, pad_len and content_len of the round's rows (host or device)."""
+    if not (settings.check or settings.trace is not None):
+        return
+    committed = committed_lists(choice, n)
+    if settings.check:
+        found += check_round_commit(drafted.cpu().numpy(), choice.cpu().numpy(), limit, accepted, committed,
+                                    remaining, settings.eos_ids)
+    if settings.trace is not None:
+        settings.trace.round(round_index, trace_rows(
+            rows["requests"], rows["prompt_len"], rows["tokens"], rows["pad_len"], rows["content_len"], pos, mask,
+            drafted, choice, limit, accepted, committed, finished))
 
 
 def trace_rows(requests, prompt_len, tokens, pad_len, content_len, positions, mask, drafted, choice, limit,

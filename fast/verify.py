@@ -21,3 +21,9 @@ def commit_counts(choice: torch.Tensor, accepted: torch.Tensor, remaining: torch
     first = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1), torch.full_like(n, width))
     hit = first < n
     return torch.where(hit, first + 1, n), hit
+
+
+def committed_lists(choice: torch.Tensor, n) -> list[list[int]]:
+    """Host lists of each row's committed tokens choice[i, :n[i]] (for checks and traces only)."""
+    host = choice.cpu().tolist()
+    return [row[:count] for row, count in zip(host, n)]

@@ -62,8 +62,7 @@ def _broken_positions(monkeypatch):
 
 
 def _mask_from_pad_id(monkeypatch):
-    original = eqspec.RectBatch.forward
-
+    """Hide every slot whose token equals the pad id (== EOS here), as `tokens != pad_id` masks do."""
     def forward(self, runner, ids, first_col, cache, found, last_only=False):
         hidden = torch.zeros(self.size, first_col + ids.shape[1], dtype=torch.bool)
         width = min(self.width, hidden.shape[1])

@@ -14,8 +14,8 @@ from transformers import DynamicCache
 
 from ..cache import cache_width, gather_cache, rect_inputs
 from ...invariants import check_alignment
-from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_commit, check_rect_forward, dynamic_layer_kv,
-                      raise_violations, trace_rows)
+from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, dynamic_layer_kv,
+                      observe_round, raise_violations)
 from ..verify import commit_counts
 
 
@@ -103,24 +103,16 @@ class RectBatch:
         with self.clock("time_align"):
             extended = torch.cat([self.tokens, choice], dim=1)  # committed token j of a row is column width + j
             done = self._collect_finished(extended, finished, n, hit_eos)
-            if s.check or s.trace is not None:
-                committed = [row.tolist() for row in self._committed(choice, n)]
-            if s.check:
-                found += check_commit(drafted, choice, limit, accepted, committed, remaining, s)
-            if s.trace is not None:
-                s.trace.round(round_index, trace_rows(
-                    self.request, self.prompt_len, self.tokens, width - self.content_len, self.content_len, pos,
-                    mask, drafted, choice, limit, accepted, committed, finished))
+            observe_round(s, found, round_index, dict(requests=self.request, prompt_len=self.prompt_len,
+                                                      tokens=self.tokens, pad_len=width - self.content_len,
+                                                      content_len=self.content_len),
+                          pos, mask, drafted, choice, limit, accepted, n, remaining, finished)
             self._update(extended, ~finished, n, accepted, k)
-        self._account(k, accepted, n)
+        self.stats.add_round(k, accepted, n)
         if s.check:
             found += self._check_caches(round_index)
             raise_violations(found, round_index)
         return done
-
-    @staticmethod
-    def _committed(choice, n):
-        return [choice[i, :n[i]] for i in range(len(n))]
 
     def _collect_finished(self, extended, finished, n, hit_eos):
         rows = np.nonzero(finished)[0]
@@ -158,14 +150,6 @@ class RectBatch:
             gather_cache(self.draft_cache, rows, source, new_width - int(pending[keep].max()))
         self.request, self.prompt_len, self.budget_end = self.request[keep], self.prompt_len[keep], self.budget_end[keep]
         self.content_len, self.draft_pending, self.rounds = new_len[keep], pending[keep], self.rounds[keep]
-
-    def _account(self, k, accepted, n):
-        st = self.stats
-        st.rounds += 1
-        st.row_rounds += len(n)
-        st.drafted_tokens += k * len(n)
-        st.accepted_tokens += int(accepted.sum())
-        st.generated_tokens += int(n.sum())
 
     def _check_caches(self, round_index):
         """I3 on one sampled row per round (round robin), target and draft, by unpadded recomputation."""

@@ -77,7 +77,6 @@ def _stacked_cache(per_row_kv: list, keep: list[int]) -> DynamicCache:
 def stack(rows: list[PooledRow], target, draft, settings: Settings, stats: Stats, clock) -> RectBatch:
     """A rectangular batch of pool rows: tokens and caches left-padded to the longest row (I1)."""
     content = np.array([len(r.tokens) for r in rows])
-    width = int(content.max())
     pending = max(r.draft_pending for r in rows)
     tokens = pad_sequence([r.tokens for r in rows], batch_first=True, padding_side="left",
                           padding_value=settings.pad_id)

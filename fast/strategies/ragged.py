@@ -14,7 +14,7 @@ import torch
 
 from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
-from ..engine import Arrivals, Settings, Stats, check_cache_row, check_commit, raise_violations, trace_rows
+from ..engine import Arrivals, Settings, Stats, check_cache_row, observe_round, raise_violations
 from ..slot_cache import SlotCache
 from ..verify import commit_counts
 
@@ -139,23 +139,15 @@ class RaggedEngine:
             columns = dev(content[:, None] + np.arange(k + 1)[None, :])
             self.tokens[rows_dev[:, None], columns] = choice
             finished = (hit_eos == 1) | (n == remaining)
-            if s.check or s.trace is not None:
-                committed = [choice[i, :n[i]].tolist() for i in range(len(rows))]
-            if s.check:
-                found += check_commit(drafted, choice, limit, accepted, committed, remaining, s)
-            if s.trace is not None:
-                s.trace.round(round_index, trace_rows(
-                    self.request[rows], self.prompt_len[rows], self._contents(rows, content), np.zeros(len(rows)),
-                    content, pos, mask, drafted, choice, limit, accepted, committed, finished))
+            observe_round(s, found, round_index, dict(
+                requests=self.request[rows], prompt_len=self.prompt_len[rows], tokens=self._contents(rows, content),
+                pad_len=np.zeros(len(rows)), content_len=content),
+                pos, mask, drafted, choice, limit, accepted, n, remaining, finished)
             self.content_len[rows] = content + n
             self.draft_pending[rows] = (n - np.minimum(np.minimum(accepted, k - 1), n)) if k \
                 else self.draft_pending[rows] + n
             self._release(rows[finished], hit_eos[finished], on_done)
-        self.stats.rounds += 1
-        self.stats.row_rounds += len(rows)
-        self.stats.drafted_tokens += k * len(rows)
-        self.stats.accepted_tokens += int(accepted.sum())
-        self.stats.generated_tokens += int(n.sum())
+        self.stats.add_round(k, accepted, n)
         if s.check:
             found += check_conservation(range(self.arrivals.released), self.queue.members())
             found += self._check_caches(round_index)
