@@ -12,6 +12,7 @@ from .fast.models import ModelRunner, attention_window, check_pair, context_limi
 from .invariants import TraceWriter
 
 STRATEGIES = ("eqspec", "exspec", "ragged")
+BROKEN = ("bsp-like", "dsd-like")  # deliberately wrong, for the bench's correctness table only
 
 
 def _prompt_ids(prompts, tokenizer, vocab: int) -> list[list[int]]:
@@ -65,7 +66,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     benchmarks: a request is not scheduled before it arrives; request_stats then hold its latency.
     on_result: called as on_result(request, tokens, stop_reason, rounds) when a request finishes.
     """
-    if strategy not in STRATEGIES:
+    if strategy not in STRATEGIES + BROKEN:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
@@ -150,8 +151,9 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     start = time.perf_counter()
     settings.arrivals = Arrivals(len(ids), arrivals)
     clock = Clock(stats, device)
-    from .fast.strategies import eqspec, exspec, ragged
-    run = {"eqspec": eqspec.run, "ragged": ragged.run,
+    from .fast.strategies import broken, eqspec, exspec, ragged
+    run = {"eqspec": eqspec.run, "ragged": ragged.run, "bsp-like": broken.run_bsp_like,
+           "dsd-like": broken.run_dsd_like,
            "exspec": functools.partial(exspec.run, pool_window=pool_window, max_wait=max_wait)}[strategy]
     with torch.inference_mode():
         run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)

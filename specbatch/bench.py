@@ -2,7 +2,10 @@
 
 Methods: ar (target-only decoding, batched, same engine), spec1 (speculative at batch 1),
 eqspec / exspec / ragged (speculative at each batch size), hf-assisted (transformers' assisted
-generation, batch 1 only: it refuses larger batches). For each (method, batch size) the run
+generation, batch 1 only: it refuses larger batches), and the deliberately broken bsp-like
+(rejected drafts kept in the cache) and dsd-like (repad without unpad, bonus from the draft),
+whose exact-match collapse reproduces the correctness table of "Batch Speculative Decoding Done
+Right". For each (method, batch size) the run
 records tokens/s (generated tokens / wall time including prefill), the mean accepted length τ,
 the acceptance rate, the time breakdown (draft / verify / align / prefill), the alignment share,
 and exact match against target-only greedy decoding at batch 1. Repeats loop outermost and
@@ -20,8 +23,9 @@ from pathlib import Path
 import torch
 
 SPEC_METHODS = ("eqspec", "exspec", "ragged")
+BROKEN_METHODS = ("bsp-like", "dsd-like")  # deliberately broken variants: the correctness table
 BATCH_ONE = ("spec1", "hf-assisted")
-KNOWN = ("ar",) + BATCH_ONE + SPEC_METHODS
+KNOWN = ("ar",) + BATCH_ONE + SPEC_METHODS + BROKEN_METHODS
 
 
 def hf_assisted(target, draft, ids, max_new, k, eos_ids):
@@ -53,7 +57,7 @@ def run_method(method, batch, target, draft, ids, args, eos_ids):
     import specbatch
     if method == "hf-assisted":
         return hf_assisted(target, draft, ids, args.max_new_tokens, args.num_draft_tokens, eos_ids)
-    strategy = method if method in SPEC_METHODS else "eqspec"
+    strategy = method if method in SPEC_METHODS + BROKEN_METHODS else "eqspec"
     result = specbatch.generate(target, None if method == "ar" else draft, ids, max_new_tokens=args.max_new_tokens,
                                 num_draft_tokens=args.num_draft_tokens, batch_size=1 if method == "spec1" else batch,
                                 strategy=strategy, progress=True)

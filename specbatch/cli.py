@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the first N prompts of each 'category' (Spec-Bench JSONL)")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8])
     p.add_argument("--methods", default="ar,spec1,eqspec,exspec,ragged",
-                   help="comma-separated: ar, spec1, eqspec, exspec, ragged, hf-assisted")
+                   help="comma-separated: ar, spec1, eqspec, exspec, ragged, hf-assisted, and the deliberately "
+                        "broken bsp-like, dsd-like (correctness table)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=4)
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--repeats", type=positive_int, default=1)

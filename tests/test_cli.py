@@ -138,12 +138,14 @@ def test_bench_writes_table_json_and_plots(folders, prompt_file, tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", "--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompt_file),
                  "--dtype", "float64", "--max-new-tokens", "6", "--batch-sizes", "1,2",
-                 "--methods", "ar,spec1,eqspec,exspec,ragged,hf-assisted", "--arrival-rate", "50",
+                 "--methods", "ar,spec1,eqspec,exspec,ragged,hf-assisted,bsp-like,dsd-like", "--arrival-rate", "50",
                  "--out-dir", str(out)]) == 0
     data = json.loads((out / "bench.json").read_text())
     methods = {(r["method"], r["batch"]) for r in data["rows"]}
     assert {("ar", 1), ("ar", 2), ("spec1", 1), ("hf-assisted", 1), ("ragged", 2), ("exspec", 2)} <= methods
-    assert all(r["exact"] == f"{len(PROMPTS)}/{len(PROMPTS)}" for r in data["rows"])
+    assert all(r["exact"] == f"{len(PROMPTS)}/{len(PROMPTS)}" for r in data["rows"] if "like" not in r["method"])
+    broken = [int(r["exact"].split("/")[0]) for r in data["rows"] if "like" in r["method"]]
+    assert len(broken) == 4 and min(broken) < len(PROMPTS)
     assert all(r["vs_ar"] > 0 for r in data["rows"])
     assert "| ragged | 2 |" in (out / "bench.md").read_text()
     assert [r["method"] for r in data["arrivals"]] == ["ar", "eqspec", "exspec", "ragged"]

@@ -101,3 +101,21 @@ def test_check_invariants_names_the_broken_invariant(monkeypatch, mutant, invari
         specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, num_draft_tokens=3, check_invariants=True)
     v = caught.value.violations[0]
     assert v.invariant == invariant and v.round is not None and v.row is not None, str(caught.value)
+
+
+@pytest.mark.parametrize("broken", ["bsp-like", "dsd-like"])
+def test_deliberately_broken_variants_collapse_and_are_caught(broken):
+    """The bench's correctness table relies on these reproducing the published mistakes."""
+    import numpy as np
+    from hf_models import oracle
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (1, 9, 30, 3, 12, 2)]
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(2, 0.3))
+    result = specbatch.generate(target, draft, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=6,
+                                strategy=broken)
+    want = oracle(target, prompts, 12, [EOS])
+    assert sum(a == b for a, b in zip(result.sequences, want)) <= len(prompts) // 2
+    with pytest.raises(InvariantError):
+        specbatch.generate(target, draft, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=6,
+                           strategy=broken, check_invariants=True)

@@ -167,9 +167,11 @@ class RectBatch:
         return found
 
 
-def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):
+def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done,
+        batch_class=None):
     """EQSPEC over all requests: fixed batches of up to `batch_size` requests in arrival (input)
-    order; a finished row leaves its batch at once (no zombie rows)."""
+    order; a finished row leaves its batch at once (no zombie rows). batch_class: RectBatch, or a
+    deliberately broken subclass (strategies.broken) for the bench's correctness table."""
     arrivals = settings.arrivals or Arrivals(len(prompts))
     waiting: list = []
     round_index = 0
@@ -179,8 +181,8 @@ def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock
             arrivals.wait()
             continue
         requests, waiting = waiting[:batch_size], waiting[batch_size:]
-        batch = RectBatch.prefill([prompts[r] for r in requests], requests, [max_new[r] for r in requests], target,
-                                  draft, settings, stats, clock)
+        batch = (batch_class or RectBatch).prefill([prompts[r] for r in requests], requests,
+                                                   [max_new[r] for r in requests], target, draft, settings, stats, clock)
         while batch.size:
             round_index += 1
             for done in batch.round(round_index):
