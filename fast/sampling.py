@@ -87,8 +87,13 @@ class Greedy:
 class Sampled:
     """Common parts of the two sampling modes: processors and per-request seeds."""
 
-    def __init__(self, temperature: float, top_k, top_p, seeds: torch.Tensor):
+    def __init__(self, temperature: float, top_k, top_p, seeds: torch.Tensor, ids: torch.Tensor | None = None):
         self.temperature, self.top_k, self.top_p, self.seeds = temperature, top_k, top_p, seeds
+        self.ids = ids if ids is not None else torch.arange(len(seeds), device=seeds.device)
+
+    def keys(self, requests):
+        """(seed, request id) used for keying: the caller's global ids (data-parallel shards)."""
+        return self.seeds[requests], self.ids[requests]
 
     def log_probs(self, logits):
         return processed_log_probs(logits, self.temperature, self.top_k, self.top_p)
@@ -98,7 +103,7 @@ class Coupled(Sampled):
     needs_q = False
 
     def _perturbed(self, logits, requests, positions):
-        noise = rng.gumbel(self.seeds[requests], requests, positions, logits.shape[-1])
+        noise = rng.gumbel(*self.keys(requests), positions, logits.shape[-1])
         return self.log_probs(logits) + noise
 
     def draft(self, logits, requests, positions):
@@ -116,7 +121,7 @@ class Rejection(Sampled):
 
     def draft(self, logits, requests, positions):
         q = self.log_probs(logits).exp()
-        u = rng.uniform(self.seeds[requests], requests, positions, "draft")
+        u = rng.uniform(*self.keys(requests), positions, "draft")
         return sample_from(q, u), q
 
     def verify(self, logits, drafted, q, limit, requests, first_position):
@@ -124,7 +129,7 @@ class Rejection(Sampled):
         k = width - 1
         p = self.log_probs(logits).exp()  # [R, k+1, V]
         positions = first_position[:, None] + torch.arange(width, device=logits.device)[None, :]
-        seeds, reqs = self.seeds[requests][:, None].expand(-1, width), requests[:, None].expand(-1, width)
+        seeds, reqs = (x[:, None].expand(-1, width) for x in self.keys(requests))
         if k:
             p_d = p[:, :k].gather(-1, drafted[..., None])[..., 0]
             q_d = q.gather(-1, drafted[..., None])[..., 0]
@@ -149,10 +154,14 @@ class Rejection(Sampled):
         return choice, accepted
 
 
-def make_chooser(temperature: float, top_k, top_p, seed, sampling: str, num_requests: int, device):
+def make_chooser(temperature: float, top_k, top_p, seed, sampling: str, num_requests: int, device,
+                 request_ids=None):
+    """request_ids: the ids that key the randomness (default 0..n-1; a data-parallel shard passes
+    the global ids of its requests so that outputs do not depend on the sharding)."""
     if not temperature:
         return Greedy()
     seeds = seed if isinstance(seed, (list, tuple)) else [seed] * num_requests
     seeds = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=device)
+    ids = None if request_ids is None else torch.tensor([int(r) for r in request_ids], device=device)
     cls = {"rejection": Rejection, "coupled": Coupled}[sampling]
-    return cls(float(temperature), top_k, top_p, seeds)
+    return cls(float(temperature), top_k, top_p, seeds, ids)

@@ -46,7 +46,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
              draft_tokenizer=None, check_invariants: bool = False, trace=None, progress: bool = False,
              pool_window: int | None = None, max_wait: int = 4, on_result=None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed=0,
-             sampling: str = "rejection", arrivals=None) -> GenerationResult:
+             sampling: str = "rejection", arrivals=None, request_ids=None) -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
     Greedy output equals target-only greedy decoding token for token (proofs_notes/).
@@ -64,6 +64,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     trace: path of a JSONL round trace (invariants.trace format).
     arrivals: optional arrival time (seconds after the start, nondecreasing) per request, for latency
     benchmarks: a request is not scheduled before it arrives; request_stats then hold its latency.
+    request_ids: the ids that key sampling randomness (default: the prompt indices); data-parallel
+    shards pass global ids so that sharding cannot change sampled outputs.
     on_result: called as on_result(request, tokens, stop_reason, rounds) when a request finishes.
     """
     if strategy not in STRATEGIES + BROKEN:
@@ -129,7 +131,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
                              max_new_tokens=max_new, num_requests=len(ids), window=window)
     settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
                         pad_id=int(pad_id), check=check_invariants, trace=writer,
-                        chooser=make_chooser(temperature, top_k, top_p, seed, sampling, len(ids), device))
+                        chooser=make_chooser(temperature, top_k, top_p, seed, sampling, len(ids), device,
+                                             request_ids))
     target_runner = ModelRunner(target)
     draft_runner = ModelRunner(draft) if draft is not None else None
     results: dict = {}

@@ -114,19 +114,30 @@ def read_prompt_file(path):
 # ---------------------------------------------------------------- commands
 
 def cmd_generate(args) -> int:
+    from . import distributed
     from .io import ResultWriter, read_done
+    rank, size = distributed.init_from_env(args.device)
+    args.device = distributed.local_device(args.device)
     prompts = read_prompt_file(args.prompts)
     target, draft, tokenizer = load_pair(args)
     ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
     order = [ident for ident, _ in prompts]
-    previous = read_done(args.out) if (args.resume and args.out) else {}
+    parts = [f"{args.out}.part{r}" for r in range(size)] if args.out else []
+    previous = {}
+    if args.resume and args.out:
+        for path in [args.out] + parts:
+            previous.update(read_done(path))
     todo = [i for i, ident in enumerate(order) if ident not in previous]
-    if previous:
+    mine = [todo[j] for j in distributed.shard(len(todo), rank, size)]  # all of todo when not distributed
+    if previous and rank == 0:
         print(f"resuming: {len(previous)} of {len(order)} requests already in {args.out}", file=sys.stderr)
-    writer = ResultWriter(args.out, order, previous) if args.out else None
+    if size > 1 and args.out:  # each rank streams its own part file; rank 0 merges them at the end
+        writer = ResultWriter(parts[rank], order, {})
+    else:
+        writer = ResultWriter(args.out, order, previous) if args.out else None
 
     def record(request, tokens, reason, rounds):
-        ident = order[todo[request]]
+        ident = order[mine[request]]
         rec = dict(id=ident, text=tokenizer.decode(tokens, skip_special_tokens=False), token_ids=tokens,
                    num_tokens=len(tokens), stop_reason=reason, rounds=rounds,
                    accepted_length=round(len(tokens) / max(rounds, 1), 4))
@@ -136,20 +147,29 @@ def cmd_generate(args) -> int:
             print(rec["text"] if not args.jsonl_stdout else __import__("json").dumps(rec), flush=True)
 
     result = None
-    if todo:
-        try:
-            result = run_generate(target, draft, [ids[i] for i in todo], args, on_result=record, progress=True,
-                                  trace=args.trace)
-        finally:
-            if writer is not None:
-                writer.finish()
-    elif writer is not None:
-        writer.finish()
+    try:
+        if mine:
+            result = run_generate(target, draft, [ids[i] for i in mine], args, on_result=record,
+                                  progress=(rank == 0), trace=args.trace if size == 1 else None,
+                                  request_ids=mine)
+    finally:
+        if writer is not None:
+            writer.file.close() if size > 1 else writer.finish()
+    if size > 1:
+        distributed.gather(None)  # every rank has finished its part
+        if rank == 0 and args.out:
+            done = dict(previous)
+            for path in parts:
+                done.update(read_done(path))
+            ResultWriter(args.out, order, done).finish()
+            for path in parts:
+                __import__("os").remove(path)
     if result is not None:
         st = result.stats
-        print(f"{st['generated_tokens']} tokens in {st['time_total']:.1f} s ({st['tokens_per_second']:.1f} tokens/s), "
-              f"mean accepted length {st['mean_accepted_length']:.2f}, alignment {100 * st['align_share']:.1f}%"
-              + (f"; results in {args.out}" if args.out else ""), file=sys.stderr)
+        print(f"{'rank ' + str(rank) + ': ' if size > 1 else ''}{st['generated_tokens']} tokens in "
+              f"{st['time_total']:.1f} s ({st['tokens_per_second']:.1f} tokens/s), mean accepted length "
+              f"{st['mean_accepted_length']:.2f}, alignment {100 * st['align_share']:.1f}%"
+              + (f"; results in {args.out}" if args.out and rank == 0 else ""), file=sys.stderr)
     return 0
 
 
