@@ -66,12 +66,13 @@ class SlotCache(Cache):
         self.rows = None
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
-    def prepare(self, rows: torch.Tensor | None, query_index: torch.Tensor) -> None:
-        """Set up the next forward: rows (None: all slots, in order) and each query's content index."""
+    def prepare(self, rows: torch.Tensor | None, query_index: torch.Tensor, kv_len: int) -> None:
+        """Set up the next forward: rows (None: all slots, in order), each query's content index, and
+        the number of slots to attend over (largest query index + 1, known on the host)."""
         self.rows = rows
         self.row_index = rows if rows is not None else torch.arange(self.slots, device=self.device)
         self.write_slot = torch.where(query_index >= 0, query_index, torch.full_like(query_index, self.capacity))
-        self.kv_len = int(query_index.max()) + 1
+        self.kv_len = kv_len
 
     def slot_values(self, layer: int, row: int, count: int):
         """Keys and values [count, H, D] held by slots 0..count-1 of one row (for checking I3)."""

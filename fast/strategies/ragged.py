@@ -59,8 +59,7 @@ class RaggedEngine:
         s = self.settings
         cache = self.caches[name]
         q = torch.as_tensor(query_index, device=s.device)
-        cache.prepare(rows_t, q)
-        cache.kv_len = int(query_index.max()) + 1
+        cache.prepare(rows_t, q, int(query_index.max()) + 1)  # host numpy: no device sync
         pos, mask = ragged_inputs(q, cache.kv_len, s.window, s.dtype, s.fill)
         if s.check:
             slot = np.broadcast_to(np.arange(cache.kv_len), (len(query_index), cache.kv_len))
