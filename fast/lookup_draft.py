@@ -14,22 +14,14 @@ from types import SimpleNamespace
 
 import torch
 
+from .models import WeightlessLM
 
-class PromptLookupDraft(torch.nn.Module):
+
+class PromptLookupDraft(WeightlessLM):
     def __init__(self, vocab_size: int, max_ngram: int = 3, device="cpu", generation_config=None):
-        super().__init__()
+        super().__init__(vocab_size, "prompt-lookup", generation_config)
         self.max_ngram = max_ngram
         self.register_buffer("_anchor", torch.zeros(1, device=device))  # gives the module a device
-        self.config = SimpleNamespace(vocab_size=vocab_size, num_hidden_layers=1, sliding_window=None,
-                                      max_position_embeddings=None, model_type="prompt-lookup")
-        self.generation_config = generation_config
-
-    @property
-    def device(self):
-        return self._anchor.device
-
-    def get_output_embeddings(self):
-        return None
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
                 logits_to_keep=0, **kwargs):

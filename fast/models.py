@@ -3,6 +3,7 @@ call with explicit positions and a 4D mask, EOS ids, context limits and attentio
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import torch
 
@@ -108,3 +109,23 @@ def check_pair(target, draft, target_tokenizer=None, draft_tokenizer=None) -> No
     if target_tokenizer is not None and draft_tokenizer is not None \
             and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise ValueError("target and draft tokenizers have different vocabularies")
+
+
+class WeightlessLM(torch.nn.Module):
+    """The shell of a causal LM without weights (prompt lookup, imposed distributions in tests):
+    a one-layer config of the given vocabulary, a device taken from its first buffer, no output
+    embedding. Subclasses register a buffer and implement forward(input_ids, position_ids,
+    attention_mask, cache, logits_to_keep)."""
+
+    def __init__(self, vocab_size: int, model_type: str, generation_config=None):
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=vocab_size, num_hidden_layers=1, sliding_window=None,
+                                      max_position_embeddings=None, model_type=model_type)
+        self.generation_config = generation_config
+
+    @property
+    def device(self):
+        return next(self.buffers()).device
+
+    def get_output_embeddings(self):
+        return None

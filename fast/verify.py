@@ -1,6 +1,7 @@
 """One round's arithmetic on torch tensors, vectorized over rows (twin of reference.rounds)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -27,3 +28,12 @@ def committed_lists(choice: torch.Tensor, n) -> list[list[int]]:
     """Host lists of each row's committed tokens choice[i, :n[i]] (for checks and traces only)."""
     host = choice.cpu().tolist()
     return [row[:count] for row, count in zip(host, n)]
+
+
+def draft_pending_after(n, accepted, k: int, pending):
+    """Committed tokens without draft K/V after a round (host arrays): the draft ran on the pending
+    tokens and d_1..d_{k-1}, so rows keep min(accepted, k - 1, n) of the new tokens; 1 pending
+    normally, 2 after a full accept. A round without drafts (k = 0) adds its n tokens."""
+    if not k:
+        return pending + n
+    return n - np.minimum(np.minimum(accepted, k - 1), n)

@@ -11,6 +11,7 @@ import specbatch
 import specbatch.fast.sampling as sampling
 from hf_models import EOS, tiny
 from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.models import WeightlessLM
 from specbatch.reference import deviate_hashed
 from specbatch.reference import sampling as ref
 
@@ -97,23 +98,13 @@ Q_TABLE = np.array([[[0.1, 0.2, 0.7], [0.6, 0.2, 0.2], [0.3, 0.6, 0.1]],
                     [[0.1, 0.1, 0.8], [0.5, 0.4, 0.1], [0.2, 0.6, 0.2]]])
 
 
-class ImposedLM(torch.nn.Module):
+class ImposedLM(WeightlessLM):
     """A "model" whose next-token distribution is table[position, token]; it keeps a dummy cache
     entry per token so the engine's cache bookkeeping runs as for a real model."""
 
     def __init__(self, table):
-        super().__init__()
+        super().__init__(VOCAB3, "imposed")
         self.register_buffer("log_table", torch.tensor(table).log())
-        self.config = SimpleNamespace(vocab_size=VOCAB3, num_hidden_layers=1, sliding_window=None,
-                                      max_position_embeddings=None)
-        self.generation_config = None
-
-    @property
-    def device(self):
-        return self.log_table.device
-
-    def get_output_embeddings(self):
-        return None
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, logits_to_keep=0, **kw):
         dummy = torch.zeros(input_ids.shape[0], 1, input_ids.shape[1], 1, dtype=torch.float64)

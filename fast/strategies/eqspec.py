@@ -16,7 +16,7 @@ from ..cache import cache_width, gather_cache, rect_inputs
 from ...invariants import check_alignment
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, dynamic_layer_kv,
                       observe_round, raise_violations)
-from ..verify import commit_counts
+from ..verify import commit_counts, draft_pending_after
 
 
 class RectBatch:
@@ -127,10 +127,7 @@ class RectBatch:
     def _update(self, extended, keep, n, accepted, k):
         """The EQSPEC update on tokens and both caches: one gather each, or a crop when δ = 0."""
         new_len = self.content_len + n
-        if k:  # the draft never ran on its last proposal: 2 pending after a full accept
-            pending = n - np.minimum(np.minimum(accepted, k - 1), n)
-        else:
-            pending = self.draft_pending + n
+        pending = draft_pending_after(n, accepted, k, self.draft_pending)
         if not keep.any():
             self.request = self.request[:0]
             return

@@ -16,7 +16,7 @@ from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
 from ..engine import Arrivals, Settings, Stats, check_cache_row, observe_round, raise_violations
 from ..slot_cache import SlotCache
-from ..verify import commit_counts
+from ..verify import commit_counts, draft_pending_after
 
 
 def ragged_inputs(query_index: torch.Tensor, kv_len: int, window: int | None, dtype, fill: float):
@@ -143,8 +143,7 @@ class RaggedEngine:
                 pad_len=np.zeros(len(rows)), content_len=content),
                 pos, mask, drafted, choice, limit, accepted, n, remaining, finished)
             self.content_len[rows] = content + n
-            self.draft_pending[rows] = (n - np.minimum(np.minimum(accepted, k - 1), n)) if k \
-                else self.draft_pending[rows] + n
+            self.draft_pending[rows] = draft_pending_after(n, accepted, k, self.draft_pending[rows])
             self._release(rows[finished], hit_eos[finished], on_done)
         self.stats.add_round(k, accepted, n)
         if s.check:
