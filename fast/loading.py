@@ -82,6 +82,9 @@ def load_gguf(path: Path, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     except ImportError as e:
         raise ModelLoadError(f"loading GGUF files needs the `gguf` package: pip install gguf ({e})") from None
+    except (ValueError, OSError, KeyError, RuntimeError) as e:  # not a GGUF file, or one transformers cannot map
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelLoadError(f"cannot load GGUF file {path}: {message}") from None
     return model, tokenizer
 
 

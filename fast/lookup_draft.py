@@ -1,20 +1,55 @@
-"""A training-free draft: prompt lookup / n-gram matching, shaped as a causal LM.
+"""Training-free drafting by prompt lookup (n-gram matching), shaped as a causal LM.
 
-Its "key" for a token is the token id itself and it has no value: the engine's cache then holds each
-row's history exactly like real K/V, in any layout (padded, realigned, ragged), and the 4D mask tells
-the draft which slots are the row's content. For the last query of each row it finds the most recent
-earlier occurrence of the row's last n tokens (n = max_ngram .. 1) in the visible history and
-proposes the token that followed it; with no match it proposes the last token again. It costs a few
-tensor operations per step, so it buys speed whenever a text repeats itself (summaries, code,
-retrieval answers), and like any draft it cannot change the output (proofs_notes/).
+The lookup's "key" for a token is the token id itself, with no value: the engine's cache then holds
+each row's history exactly like real K/V, in any layout (padded, realigned, ragged), and the 4D mask
+tells the lookup which slots are the row's content. For the last query of each row it finds the
+most recent earlier occurrence of the row's last n tokens (n = max_ngram .. 1) in the visible
+history and proposes the token that followed it. It costs a few tensor operations per step, so it
+buys speed whenever a text repeats itself (summaries, code, retrieval answers), and like any draft
+it cannot change the output (proofs_notes/).
+
+`PromptLookupDraft` is the lookup alone (no match: it proposes the last token again);
+`LookupFirstDraft` puts it in front of a real draft model, which proposes wherever no n-gram of at
+least `min_match` tokens matches.
 """
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import torch
 
-from .models import WeightlessLM
+from .models import WeightlessLM, cache_argument
+
+
+def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int):
+    """Store the query tokens in cache layer `layer` and look up each row's continuation.
+
+    Returns (proposal [B], matched [B]): the token after the latest earlier match of the row's last
+    n tokens, n from max_ngram down to 1, and that n (0 and the row's last token when nothing
+    matches). Visible slots (mask 0 for the last query) form a contiguous range ending at the query."""
+    ids = input_ids.to(torch.float32)[:, None, :, None]  # [B, 1, Q, 1]: one "head", one feature
+    history, _ = cache.update(ids, ids, layer)
+    history = history[:, 0, :, 0].round().long()  # [B, S]
+    visible = attention_mask[:, 0, -1, :] == 0
+    batch, slots = history.shape
+    token = torch.where(visible, history, torch.full_like(history, -1))
+    position = torch.arange(slots, device=history.device)[None, :]
+    last = (visible.long() * position).argmax(dim=1)  # the query's slot
+    proposal = token.gather(1, last[:, None])[:, 0]
+    matched = torch.zeros(batch, dtype=torch.long, device=history.device)
+    for n in range(max_ngram, 0, -1):
+        match = (position < last[:, None]) & (position >= n - 1)  # j: end of an earlier n-gram
+        for offset in range(n):  # token[j - offset] == token[last - offset]
+            shifted = torch.roll(token, offset, dims=1)
+            target = token.gather(1, (last - offset).clamp(min=0)[:, None])
+            match &= (shifted == target) & (target >= 0)
+        j = (match.long() * (position + 1)).argmax(dim=1)  # the latest j (0 when none)
+        has = match.any(dim=1) & (matched == 0)
+        follower = token.gather(1, (j + 1).clamp(max=slots - 1)[:, None])[:, 0]
+        proposal = torch.where(has, follower, proposal)
+        matched = torch.where(has, torch.full_like(matched, n), matched)
+    return proposal.clamp(min=0), matched  # a pad query (nothing visible) proposes token 0
 
 
 class PromptLookupDraft(WeightlessLM):
@@ -26,34 +61,51 @@ class PromptLookupDraft(WeightlessLM):
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
                 logits_to_keep=0, **kwargs):
         batch, queries = input_ids.shape
-        ids = input_ids.to(torch.float32)[:, None, :, None]  # [B, 1, Q, 1]: one "head", one feature
-        history, _ = cache.update(ids, ids, 0)
-        history = history[:, 0, :, 0].round().long()  # [B, S]
-        visible = attention_mask[:, 0, -1, :] == 0  # what the last query may see: its row's content
-        proposal = self._lookup(history, visible)
+        proposal, _ = lookup(cache, 0, input_ids, attention_mask, self.max_ngram)
         keep = queries if not logits_to_keep else min(int(logits_to_keep), queries)
         logits = torch.zeros(batch, keep, self.config.vocab_size, device=input_ids.device)
         logits.scatter_(2, proposal[:, None, None].expand(batch, keep, 1), 1.0)
         return SimpleNamespace(logits=logits)
 
-    def _lookup(self, history: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Per row: the token after the latest earlier match of its last n tokens (n from max_ngram
-        down to 1), else its last token. Visible slots form a contiguous range ending at the query."""
-        batch, slots = history.shape
-        token = torch.where(visible, history, torch.full_like(history, -1))
-        last = (visible.long() * torch.arange(slots, device=history.device)).argmax(dim=1)  # the query's slot
-        proposal = token.gather(1, last[:, None])[:, 0]
-        found = torch.zeros(batch, dtype=torch.bool, device=history.device)
-        position = torch.arange(slots, device=history.device)[None, :]
-        for n in range(self.max_ngram, 0, -1):
-            match = (position < last[:, None]) & (position >= n - 1)  # j: end of an earlier n-gram
-            for offset in range(n):  # token[j - offset] == token[last - offset]
-                shifted = torch.roll(token, offset, dims=1)
-                target = token.gather(1, (last - offset).clamp(min=0)[:, None])
-                match &= (shifted == target) & (target >= 0)
-            j = (match.long() * (position + 1)).argmax(dim=1)  # the latest j (0 when none)
-            has = match.any(dim=1) & ~found
-            follower = token.gather(1, (j + 1).clamp(max=slots - 1)[:, None])[:, 0]
-            proposal = torch.where(has, follower, proposal)
-            found |= has
-        return proposal.clamp(min=0)  # a pad query (nothing visible) proposes token 0
+
+class LookupFirstDraft(torch.nn.Module):
+    """A draft model behind a prompt lookup: where the row's last `min_match` or more tokens occurred
+    earlier in its history the lookup's token is proposed (its logits become one-hot), elsewhere the
+    model's. The token history is one extra cache layer after the model's own layers, so every
+    layout keeps it, realigns it and masks it exactly like the model's K/V (I1-I4 hold unchanged)."""
+
+    def __init__(self, model, min_match: int = 2, max_ngram: int = 3):
+        super().__init__()
+        self.model, self.min_match, self.max_ngram = model, min_match, max_ngram
+        self.cache_kw = cache_argument(model)
+        self.config = copy.copy(model.config)
+        self.config.num_hidden_layers = model.config.num_hidden_layers + 1
+        if getattr(model.config, "layer_types", None):
+            self.config.layer_types = list(model.config.layer_types) + [model.config.layer_types[-1]]
+        self.generation_config = model.generation_config
+        self._lookup_count = torch.zeros((), dtype=torch.long)  # a device tensor: no host sync per step
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @property
+    def lookup_proposals(self) -> int:
+        """Last-query rows whose proposal came from the lookup so far (a statistic)."""
+        return int(self._lookup_count)
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
+                logits_to_keep=0, **kwargs):
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                            use_cache=True, logits_to_keep=logits_to_keep, **{self.cache_kw: cache}).logits
+        proposal, matched = lookup(cache, self.model.config.num_hidden_layers, input_ids, attention_mask,
+                                   self.max_ngram)
+        from_lookup = matched >= self.min_match
+        self._lookup_count = self._lookup_count.to(from_lookup.device) + from_lookup.sum()
+        one_hot = torch.full_like(logits[:, -1], -1e4).scatter_(1, proposal[:, None], 0.0)
+        last = torch.where(from_lookup[:, None], one_hot, logits[:, -1])
+        logits = torch.cat([logits[:, :-1], last[:, None]], dim=1)
+        return SimpleNamespace(logits=logits)

@@ -1,0 +1,223 @@
+"""Distil a small LlamaForCausalLM draft from the target's own greedy answers.
+
+Input: prompt files (JSONL with `id`, `prompt`) and the target's answers to them, as written by
+`specbatch generate --draft none --chat-template` (JSONL with `id`, `token_ids`). Each example is
+the chat-templated prompt followed by the answer; the loss is the cross-entropy of the target's
+greedy token at every answer position (the draft learns to agree with the target's argmax, which is
+what greedy verification accepts). The draft's tied embedding starts as the projection of the
+target's embedding on its first principal components; everything else is random.
+
+    python training/train_draft.py --prompts training/data/stage1.jsonl training/data/stage2.jsonl \
+        --answers training/data/stage1_answers.jsonl training/data/stage2_answers.jsonl \
+        --out fast/distilled/smollm2-draft --epochs 2
+
+Writes config.json, generation_config.json, model.safetensors and training_log.json (seed, data
+size, steps, wall time, validation agreement) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def read_jsonl(paths) -> dict:
+    records = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    records[str(record["id"])] = record
+    return records
+
+
+def load_examples(prompt_files, answer_files, tokenizer, max_len: int) -> list[tuple[str, list[int], int]]:
+    """(id, prompt + answer token ids, index of the first answer token), answered prompts only."""
+    prompts, answers = read_jsonl(prompt_files), read_jsonl(answer_files)
+    examples = []
+    for ident, answer in answers.items():
+        if ident not in prompts or not answer["token_ids"]:
+            continue
+        chat = [{"role": "user", "content": prompts[ident]["prompt"]}]
+        prompt_ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+        ids = (list(prompt_ids) + list(answer["token_ids"]))[:max_len]
+        if len(prompt_ids) < len(ids):
+            examples.append((ident, ids, len(prompt_ids)))
+    return examples
+
+
+def draft_config(target_config, hidden: int, layers: int, intermediate: int, heads: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters=getattr(target_config, "rope_parameters", None), rms_norm_eps=target_config.rms_norm_eps,
+        tie_word_embeddings=True, bos_token_id=target_config.bos_token_id,
+        eos_token_id=target_config.eos_token_id, pad_token_id=target_config.pad_token_id,
+    )
+
+
+def pca_embedding(embedding: torch.Tensor, hidden: int) -> torch.Tensor:
+    """The target's embedding projected on its `hidden` first principal directions, scaled to rows
+    of about unit norm (initial logits of order 1 through the tied head)."""
+    centered = embedding - embedding.mean(dim=0)
+    _, _, v = torch.linalg.svd(centered, full_matrices=False)
+    projected = centered @ v[:hidden].T
+    return projected / projected.std() / math.sqrt(hidden)
+
+
+def is_validation(ident: str, share: float) -> bool:
+    return zlib.crc32(ident.encode()) % 1000 < share * 1000
+
+
+def make_batches(examples, tokens_per_batch: int, rng: random.Random) -> list[list]:
+    """Length-sorted batches of about `tokens_per_batch` padded tokens, in random order."""
+    order = sorted(examples, key=lambda e: len(e[1]))
+    batches, current = [], []
+    for example in order:
+        if current and (len(current) + 1) * len(example[1]) > tokens_per_batch:
+            batches.append(current)
+            current = []
+        current.append(example)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(batch, pad_id: int):
+    """Right-padded ids, their attention mask, and (row, position, label) of every answer token."""
+    width = max(len(ids) for _, ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    rows, positions = [], []
+    for r, (_, tokens, first_answer) in enumerate(batch):
+        ids[r, : len(tokens)] = torch.tensor(tokens)
+        attention[r, : len(tokens)] = 1
+        for p in range(first_answer - 1, len(tokens) - 1):  # position p predicts token p + 1
+            rows.append(r)
+            positions.append(p)
+    rows, positions = torch.tensor(rows), torch.tensor(positions)
+    return ids, attention, rows, positions, ids[rows, positions + 1]
+
+
+def answer_logits(draft, ids, attention, rows, positions):
+    hidden = draft.model(input_ids=ids, attention_mask=attention).last_hidden_state
+    return draft.lm_head(hidden[rows, positions])
+
+
+@torch.no_grad()
+def agreement(draft, batches, pad_id: int) -> float:
+    """Share of answer positions where the draft's argmax is the target's greedy token."""
+    draft.eval()
+    hits = total = 0
+    for batch in batches:
+        ids, attention, rows, positions, labels = collate(batch, pad_id)
+        hits += (answer_logits(draft, ids, attention, rows, positions).argmax(-1) == labels).sum().item()
+        total += labels.numel()
+    draft.train()
+    return hits / max(total, 1)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--prompts", nargs="+", required=True)
+    parser.add_argument("--answers", nargs="+", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--tokens-per-batch", type=int, default=6144)
+    parser.add_argument("--epochs", type=float, default=2.0)
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop early after this wall time")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--validation-share", type=float, default=0.04)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from specbatch.fast.loading import load_model  # the same loader as the CLI (fetches SmolLM2 once)
+
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    target, tokenizer = load_model(args.target)
+    examples = load_examples(args.prompts, args.answers, tokenizer, args.max_len)
+    train = [e for e in examples if not is_validation(e[0], args.validation_share)]
+    valid = [e for e in examples if is_validation(e[0], args.validation_share)]
+    answer_tokens = sum(len(ids) - first for _, ids, first in train)
+    print(f"{len(train)} training examples ({answer_tokens} answer tokens), {len(valid)} validation", flush=True)
+
+    config = draft_config(target.config, args.hidden, args.layers, args.intermediate, args.heads)
+    draft = LlamaForCausalLM(config).float()
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(pca_embedding(target.get_input_embeddings().weight.float(), args.hidden))
+    draft.generation_config.eos_token_id = target.generation_config.eos_token_id
+    del target
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+
+    valid_batches = make_batches(valid, args.tokens_per_batch, rng)
+    steps_per_epoch = len(make_batches(train, args.tokens_per_batch, random.Random(0)))
+    total_steps = max(1, int(steps_per_epoch * args.epochs))
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = min(100, total_steps // 10)
+
+    def learning_rate(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate)
+    start, step, seen_tokens, log = time.time(), 0, 0, []
+    print(f"{sum(p.numel() for p in draft.parameters())} parameters, {total_steps} steps", flush=True)
+    stopped_early = False
+    while step < total_steps and not stopped_early:
+        for batch in make_batches(train, args.tokens_per_batch, rng):
+            ids, attention, rows, positions, labels = collate(batch, pad_id)
+            loss = torch.nn.functional.cross_entropy(answer_logits(draft, ids, attention, rows, positions), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            seen_tokens += labels.numel()
+            if step % 50 == 0 or step == total_steps:
+                elapsed = time.time() - start
+                entry = dict(step=step, loss=round(loss.item(), 4), minutes=round(elapsed / 60, 2),
+                             tokens_per_s=round(seen_tokens / elapsed))
+                if step % 200 == 0 or step == total_steps:
+                    entry["validation_agreement"] = round(agreement(draft, valid_batches, pad_id), 4)
+                log.append(entry)
+                print(entry, flush=True)
+            if args.max_minutes and time.time() - start > args.max_minutes * 60:
+                stopped_early = True
+            if step >= total_steps or stopped_early:
+                break
+
+    final = agreement(draft, valid_batches, pad_id)
+    out = Path(args.out)
+    draft.to(torch.float16).save_pretrained(out)  # float16 on disk: 2 bytes a parameter
+    summary = dict(
+        seed=args.seed, prompts=args.prompts, answers=args.answers, training_examples=len(train),
+        training_answer_tokens=answer_tokens, validation_examples=len(valid), steps=step,
+        epochs=round(step / steps_per_epoch, 2), tokens_per_batch=args.tokens_per_batch, lr=args.lr,
+        hidden=args.hidden, layers=args.layers, intermediate=args.intermediate, heads=args.heads,
+        parameters=sum(p.numel() for p in draft.parameters()), wall_minutes=round((time.time() - start) / 60, 1),
+        validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
+    )
+    (out / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"validation agreement {final:.3f}; saved to {out}")
+
+
+if __name__ == "__main__":
+    main()
