@@ -195,3 +195,23 @@ def test_subprocess_help_lists_commands_and_errors_have_no_traceback(folders, tm
 def test_demo_offline_fallback_shows_the_equivalence_check(capsys):
     assert main(["demo", "--offline", "--max-new-tokens", "8"]) == 0
     assert "exact match against target-only greedy decoding at batch 1: 16/16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("draft", ["{draft}+lookup", "lookup", "truncated:1"])
+def test_draft_forms_give_target_greedy_output(folders, prompt_file, tmp_path, draft):
+    out = tmp_path / "out.jsonl"
+    argv = args(folders, prompt_file, "--strategy", "ragged", "--out", str(out))
+    argv[argv.index("--draft") + 1] = draft.format(draft=folders["draft"])
+    assert main(["generate", *argv]) == 0
+    assert [json.loads(x)["token_ids"] for x in out.read_text().splitlines()] == expected(folders)
+
+
+@pytest.mark.parametrize("draft, message", [("lookup+lookup", "needs a draft model in front"),
+                                            ("truncated:x", "positive number of layers"),
+                                            ("none+lookup", "needs a draft model in front")])
+def test_bad_draft_forms_are_one_line_errors(folders, prompt_file, capsys, draft, message):
+    argv = args(folders, prompt_file)
+    argv[argv.index("--draft") + 1] = draft
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
