@@ -1,17 +1,29 @@
-"""Mean accepted length τ of drafts for SmolLM2-135M-Instruct, per Spec-Bench category.
+"""Mean accepted length τ of drafts for SmolLM2-135M-Instruct, per category, greedy, k = 4.
 
-Runs target-only decoding once (the reference for exact match and speed) and then speculative
-decoding with each draft, all greedy, on the first N first-turn questions of every category, with
-the chat template; prints a markdown table (τ per category and overall, tokens/s, speed-up over
-target-only decoding at the same batch size, exact match) and writes it as JSON.
+Spec-Bench (never trained on): target-only decoding once gives the target's greedy answers (and
+the target-only speed); each draft's rounds are then replayed with the draft alone
+(specbatch.fast.acceptance: exactly the rounds the engine would take, tests/test_acceptance.py);
+drafts named in --run are also run for real through the engine (tokens/s, speed-up over target-only
+decoding at the same batch size, exact match, measured τ).
 
-    python training/eval_draft.py --questions ../shared/data/spec_bench/question.jsonl \
-        --drafts lookup smollm2-draft smollm2-draft+lookup --per-category 4 --batch-size 8
+    python training/eval_draft.py specbench --questions ../shared/data/spec_bench/question.jsonl \
+        --drafts lookup smollm2-draft smollm2-draft+lookup --per-category 3
+
+Cost of a draft step against a target step at batch 1:
+
+    python training/eval_draft.py stepcost --drafts smollm2-draft smollm2-draft+lookup
+
+Held-out distillation answers (the validation split of train_draft.py; already the target's
+greedy answers, so only the replay runs):
+
+    python training/eval_draft.py heldout --prompts training/data/stage1.jsonl \
+        --answers training/data/stage1_answers.jsonl --drafts smollm2-draft smollm2-draft+lookup
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -28,20 +40,60 @@ def spec_bench_questions(path, per_category: int) -> list[tuple[str, str]]:
     return chosen
 
 
-def tau_by_category(categories, result) -> dict:
-    """Committed tokens per row per round (bonus included) over each category's requests."""
+def replay_tau(draft, ids, answers, categories, k: int) -> tuple[float, dict]:
+    """τ overall and per category from draft-only replays of the known greedy answers."""
+    from specbatch.fast.acceptance import simulate_rounds
     tokens, rounds = {}, {}
-    for category, sequence, stats in zip(categories, result.sequences, result.request_stats):
-        tokens[category] = tokens.get(category, 0) + len(sequence)
-        rounds[category] = rounds.get(category, 0) + stats["rounds"]
-    return {c: tokens[c] / max(rounds[c], 1) for c in tokens}
+    for prompt, answer, category in zip(ids, answers, categories):
+        n, r = simulate_rounds(draft, prompt, answer, k)
+        tokens[category] = tokens.get(category, 0) + n
+        rounds[category] = rounds.get(category, 0) + r
+    return sum(tokens.values()) / max(sum(rounds.values()), 1), {c: tokens[c] / max(rounds[c], 1) for c in tokens}
+
+
+def step_ms(model, context: int = 300, steps: int = 40) -> float:
+    """Median wall time (ms) of one 1-token decoding step at batch 1 after a `context`-token prefill,
+    through the engine's model call (explicit positions, 4D mask, transformers cache)."""
+    import time
+
+    import torch
+    from transformers import DynamicCache
+
+    from specbatch.fast.cache import rect_inputs
+    from specbatch.fast.models import ModelRunner, mask_fill_value
+    runner, cache, zero = ModelRunner(model), DynamicCache(), torch.zeros(1, dtype=torch.long)
+    ids = torch.randint(100, 40000, (1, context + steps), generator=torch.Generator().manual_seed(0))
+    position, mask = rect_inputs(zero, 0, context, None, torch.float32, mask_fill_value(torch.float32))
+    runner(ids[:, :context], position, mask, cache)
+    times = []
+    for i in range(steps):
+        position, mask = rect_inputs(zero, context + i, 1, None, torch.float32, mask_fill_value(torch.float32))
+        start = time.perf_counter()
+        runner(ids[:, context + i:context + i + 1], position, mask, cache, last_only=True)
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def markdown(rows, categories, extra_lines) -> str:
+    names = sorted(set(categories), key=categories.index)
+    lines = ["| category | n | " + " | ".join(r["draft"] for r in rows) + " |", "|---|---|" + "---|" * len(rows)]
+    for c in names:
+        lines.append(f"| {c} | {categories.count(c)} | " + " | ".join(f"{r['tau_by_category'][c]:.2f}" for r in rows)
+                     + " |")
+    lines.append(f"| **all** (τ) | {len(categories)} | " + " | ".join(f"**{r['tau']:.2f}**" for r in rows) + " |")
+    return "\n".join(lines + extra_lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--questions", required=True, help="Spec-Bench question.jsonl")
+    parser.add_argument("mode", choices=["specbench", "heldout", "stepcost"])
+    parser.add_argument("--questions", help="Spec-Bench question.jsonl (specbench)")
+    parser.add_argument("--prompts", nargs="+", help="distillation prompt files (heldout)")
+    parser.add_argument("--answers", nargs="+", help="the target's answers to them (heldout)")
     parser.add_argument("--drafts", nargs="+", default=["smollm2-draft+lookup"])
-    parser.add_argument("--per-category", type=int, default=4)
+    parser.add_argument("--run", nargs="*", default=[], help="drafts also run through the engine (specbench)")
+    parser.add_argument("--per-category", type=int, default=3)
+    parser.add_argument("--limit", type=int, default=24, help="held-out examples (heldout)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -50,44 +102,56 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     import specbatch
-    from specbatch.fast.acceptance import simulate_rounds
     from specbatch.fast.loading import load_draft, load_model
 
     target, tokenizer = load_model("smollm2")
-    questions = spec_bench_questions(args.questions, args.per_category)
-    categories = [c for c, _ in questions]
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
-           for _, q in questions]
-    kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, strategy=args.strategy, progress=True)
-    reference = specbatch.generate(target, None, ids, **kw)
+    k = args.num_draft_tokens
+    if args.mode == "stepcost":
+        for _ in range(2):  # the second round is the one to read (warm caches)
+            target_ms = step_ms(target)
+            costs = {name: step_ms(load_draft(name, target)[0]) for name in args.drafts}
+        print(f"target step {target_ms:.1f} ms at batch 1 (300-token context); "
+              + "; ".join(f"{n} {ms:.1f} ms = {ms / target_ms:.1%}" for n, ms in costs.items()))
+        return
+    extra, reference_speed, runs, kw = [], None, [], {}
+    if args.mode == "specbench":
+        questions = spec_bench_questions(args.questions, args.per_category)
+        categories = [c for c, _ in questions]
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+               for _, q in questions]
+        kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, strategy=args.strategy,
+                  progress=True)
+        reference = specbatch.generate(target, None, ids, **kw)
+        answers, reference_speed = reference.sequences, reference.stats["tokens_per_second"]
+    else:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from train_draft import is_validation, load_examples
+        examples = [e for e in load_examples(args.prompts, args.answers, tokenizer, 4096) if is_validation(e[0], 0.04)]
+        examples = examples[:args.limit]
+        categories = [e[0].split("-")[-1] for e in examples]
+        ids = [e[1][:e[2]] for e in examples]
+        answers = [e[1][e[2]:][:args.max_new_tokens] for e in examples]
     rows = []
     for name in args.drafts:
         draft, _ = load_draft(name, target)
-        result = specbatch.generate(target, draft, ids, num_draft_tokens=args.num_draft_tokens, **kw)
-        rows.append(dict(
-            draft=name, tau=result.stats["mean_accepted_length"], tau_by_category=tau_by_category(categories, result),
-            tokens_per_second=result.stats["tokens_per_second"],
-            speedup=result.stats["tokens_per_second"] / reference.stats["tokens_per_second"],
-            exact_match=sum(a == b for a, b in zip(result.sequences, reference.sequences)),
-            lookup_proposals=getattr(draft, "lookup_proposals", None)))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "tau_by_category"}), flush=True)
-    names = sorted(set(categories), key=categories.index)
-    lines = ["| category | n | " + " | ".join(r["draft"] for r in rows) + " |",
-             "|---|---|" + "---|" * len(rows)]
-    for c in names:
-        lines.append(f"| {c} | {categories.count(c)} | " + " | ".join(f"{r['tau_by_category'][c]:.2f}" for r in rows)
-                     + " |")
-    lines.append(f"| **all** (τ) | {len(ids)} | " + " | ".join(f"**{r['tau']:.2f}**" for r in rows) + " |")
-    lines.append("| tokens/s | | " + " | ".join(f"{r['tokens_per_second']:.1f}" for r in rows) + " |")
-    lines.append(f"| vs target only ({reference.stats['tokens_per_second']:.1f} tokens/s) | | "
-                 + " | ".join(f"{r['speedup']:.2f}x" for r in rows) + " |")
-    lines.append("| exact match | | " + " | ".join(f"{r['exact_match']}/{len(ids)}" for r in rows) + " |")
-    table = "\n".join(lines)
-    print(f"\nbatch {args.batch_size}, k = {args.num_draft_tokens}, {args.max_new_tokens} new tokens, "
-          f"{args.strategy}, greedy\n\n{table}")
-    Path(args.out).write_text(json.dumps(dict(settings=vars(args), reference_tokens_per_second=
-                                              reference.stats["tokens_per_second"], drafts=rows, table=table),
-                                         indent=1) + "\n")
+        tau, per_category = replay_tau(draft, ids, answers, categories, k)
+        rows.append(dict(draft=name, tau=tau, tau_by_category=per_category))
+        print(json.dumps(dict(draft=name, replayed_tau=round(tau, 3))), flush=True)
+        if name in args.run:
+            result = specbatch.generate(target, draft, ids, num_draft_tokens=k, **kw)
+            runs.append(dict(draft=name, tau=result.stats["mean_accepted_length"],
+                             tokens_per_second=result.stats["tokens_per_second"],
+                             speedup=result.stats["tokens_per_second"] / reference_speed,
+                             exact_match=sum(a == b for a, b in zip(result.sequences, answers))))
+            print(json.dumps(runs[-1]), flush=True)
+    for run in runs:
+        extra.append(f"- {run['draft']} through the engine ({args.strategy}, batch {args.batch_size}): τ {run['tau']:.2f}, "
+                     f"{run['tokens_per_second']:.1f} tokens/s = {run['speedup']:.2f}x target-only decoding "
+                     f"({reference_speed:.1f} tokens/s), exact match {run['exact_match']}/{len(ids)}")
+    table = markdown(rows, categories, [""] + extra if extra else [])
+    print(f"\n{args.mode}: k = {k}, at most {args.max_new_tokens} new tokens, greedy\n\n{table}")
+    Path(args.out).write_text(json.dumps(dict(settings=vars(args), reference_tokens_per_second=reference_speed,
+                                              drafts=rows, runs=runs, table=table), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def main(argv=None):
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--tokens-per-batch", type=int, default=6144)
+    parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="time budget: the learning rate anneals over it and the run ends with it (or after "
@@ -197,6 +197,7 @@ def main(argv=None):
         return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress(step, elapsed)))))
 
     start, step, seen_tokens, log = time.time(), 0, 0, []
+    best = (-1.0, 0, None)  # (validation agreement, step, weights)
     print(f"{sum(p.numel() for p in draft.parameters())} parameters, at most {total_steps} steps", flush=True)
     while progress(step, time.time() - start) < 1:
         for batch in make_batches(train, args.tokens_per_batch, rng):
@@ -218,11 +219,17 @@ def main(argv=None):
                              tokens_per_s=round(seen_tokens / elapsed), lr=round(learning_rate(step, elapsed), 6))
                 if step % 500 == 0 or done:
                     entry["validation_agreement"] = round(agreement(draft, valid_batches, pad_id), 4)
+                    if entry["validation_agreement"] > best[0]:  # keep the best weights (over-fitting guard)
+                        best = (entry["validation_agreement"], step,
+                                {k: v.detach().clone() for k, v in draft.state_dict().items()})
                 log.append(entry)
                 print(entry, flush=True)
             if done:
                 break
 
+    if best[2] is not None and best[1] != step:
+        print(f"restoring the weights of step {best[1]} (validation agreement {best[0]:.4f})", flush=True)
+        draft.load_state_dict(best[2])
     final = agreement(draft, valid_batches, pad_id)
     out = Path(args.out)
     draft.to(torch.float16).save_pretrained(out)  # float16 on disk: 2 bytes a parameter
@@ -233,7 +240,7 @@ def main(argv=None):
         output_tokens_trained=None if candidates is None else len(candidates), hidden=args.hidden,
         layers=args.layers, intermediate=args.intermediate, heads=args.heads,
         parameters=sum(p.numel() for p in draft.parameters()), wall_minutes=round((time.time() - start) / 60, 1),
-        validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
+        kept_step=best[1] if best[2] is not None else step, validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
     )
     (out / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"validation agreement {final:.3f}; saved to {out}")
