@@ -22,11 +22,11 @@ import torch
 from .models import WeightlessLM, cache_argument
 
 
-def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int):
+def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int, min_ngram: int = 1):
     """Store the query tokens in cache layer `layer` and look up each row's continuation.
 
     Returns (proposal [B], matched [B]): the token after the latest earlier match of the row's last
-    n tokens, n from max_ngram down to 1, and that n (0 and the row's last token when nothing
+    n tokens, n from max_ngram down to min_ngram, and that n (0 and the row's last token when nothing
     matches). Visible slots (mask 0 for the last query) form a contiguous range ending at the query."""
     ids = input_ids.to(torch.float32)[:, None, :, None]  # [B, 1, Q, 1]: one "head", one feature
     history, _ = cache.update(ids, ids, layer)
@@ -38,7 +38,7 @@ def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int):
     last = (visible.long() * position).argmax(dim=1)  # the query's slot
     proposal = token.gather(1, last[:, None])[:, 0]
     matched = torch.zeros(batch, dtype=torch.long, device=history.device)
-    for n in range(max_ngram, 0, -1):
+    for n in range(max_ngram, min_ngram - 1, -1):
         match = (position < last[:, None]) & (position >= n - 1)  # j: end of an earlier n-gram
         for offset in range(n):  # token[j - offset] == token[last - offset]
             shifted = torch.roll(token, offset, dims=1)
@@ -102,10 +102,9 @@ class LookupFirstDraft(torch.nn.Module):
         logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                             use_cache=True, logits_to_keep=logits_to_keep, **{self.cache_kw: cache}).logits
         proposal, matched = lookup(cache, self.model.config.num_hidden_layers, input_ids, attention_mask,
-                                   self.max_ngram)
-        from_lookup = matched >= self.min_match
+                                   self.max_ngram, min_ngram=self.min_match)
+        from_lookup = matched > 0
         self._lookup_count = self._lookup_count.to(from_lookup.device) + from_lookup.sum()
         one_hot = torch.full_like(logits[:, -1], -1e4).scatter_(1, proposal[:, None], 0.0)
-        last = torch.where(from_lookup[:, None], one_hot, logits[:, -1])
-        logits = torch.cat([logits[:, :-1], last[:, None]], dim=1)
+        logits[:, -1] = torch.where(from_lookup[:, None], one_hot, logits[:, -1])
         return SimpleNamespace(logits=logits)
