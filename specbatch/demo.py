@@ -85,9 +85,12 @@ def run_demo(args) -> int:
     reports = compare(target, ids, spec.sequences, plain.sequences, tolerance=1e-3)
     exact = sum(r["exact"] for r in reports)
     errors = [r for r in reports if not r["exact"] and r["kind"] == "error"]
-    print(f"\n{'method':<40} {'tokens/s':>9} {'mean accepted length':>21}")
-    print(f"{'target only (batch ' + str(args.batch_size) + ')':<40} {plain.stats['tokens_per_second']:>9.1f} {1.0:>21.2f}")
-    print(f"{'speculative, ragged, ' + args.draft + ' (k=' + str(args.num_draft_tokens) + ')':<40} "
+    spec_label = f"speculative, ragged, {args.draft} (k={args.num_draft_tokens})"
+    width = max(40, len(spec_label))
+    print(f"\n{'method':<{width}} {'tokens/s':>9} {'mean accepted length':>21}")
+    plain_label = f"target only (batch {args.batch_size})"
+    print(f"{plain_label:<{width}} {plain.stats['tokens_per_second']:>9.1f} {1.0:>21.2f}")
+    print(f"{spec_label:<{width}} "
           f"{spec.stats['tokens_per_second']:>9.1f} {spec.stats['mean_accepted_length']:>21.2f}")
     print(f"speed-up: {spec.stats['tokens_per_second'] / plain.stats['tokens_per_second']:.2f}x (CPU, batch "
           f"{args.batch_size}, {args.max_new_tokens} new tokens at most)")
