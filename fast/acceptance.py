@@ -7,8 +7,29 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .cache import cache_layers, rect_inputs
+from .cache import gather_cache, rect_inputs
 from .models import ModelRunner, mask_fill_value
+
+
+class UnpaddedRow:
+    """One unpadded row fed to a model through the engine's model call (explicit positions, a 4D
+    mask, a transformers cache); `cached` tokens have K/V."""
+
+    def __init__(self, model):
+        self.runner, self.cache, self.cached = ModelRunner(model), DynamicCache(), 0
+        self.fill, self.zero = mask_fill_value(torch.float32), torch.zeros(1, dtype=torch.long)
+
+    def feed(self, tokens: list[int]) -> torch.Tensor:
+        """The logits after the last of `tokens`, which are appended to the cache."""
+        position, mask = rect_inputs(self.zero, self.cached, len(tokens), None, torch.float32, self.fill)
+        logits = self.runner(torch.tensor([tokens]), position, mask, self.cache, last_only=True)
+        self.cached += len(tokens)
+        return logits[0, -1]
+
+    def crop(self, length: int) -> None:
+        """Keep the K/V of the first `length` tokens (a view)."""
+        gather_cache(self.cache, None, None, length)
+        self.cached = length
 
 
 def simulate_rounds(draft, prompt: list[int], answer: list[int], k: int) -> tuple[int, int]:
@@ -16,33 +37,19 @@ def simulate_rounds(draft, prompt: list[int], answer: list[int], k: int) -> tupl
     known: the draft proposes from the true prefix, leading matches are accepted, one target token
     follows; only the draft runs (batch 1, its cache cropped after each round). As in the engine, the
     first round drafts right after the prompt, and a round drafts at most remaining - 1 tokens."""
-    runner, cache = ModelRunner(draft), DynamicCache()
-    sequence, cached, committed, rounds = list(prompt) + list(answer), 0, 0, 0
-    fill = mask_fill_value(torch.float32)
-    zero = torch.zeros(1, dtype=torch.long)
-
-    def feed(tokens: list[int]) -> int:
-        nonlocal cached
-        position, mask = rect_inputs(zero, cached, len(tokens), None, torch.float32, fill)
-        logits = runner(torch.tensor([tokens]), position, mask, cache, last_only=True)
-        cached += len(tokens)
-        return int(logits[0, -1].argmax())
-
+    row, sequence = UnpaddedRow(draft), list(prompt) + list(answer)
+    committed = rounds = 0
     while committed < len(answer):
-        content = len(prompt) + committed
         limit = min(k, len(answer) - committed - 1)
         proposals = []
         if limit > 0:
-            proposals.append(feed(sequence[cached:content]))
+            proposals.append(int(row.feed(sequence[row.cached:len(prompt) + committed]).argmax()))
             while len(proposals) < limit:
-                proposals.append(feed([proposals[-1]]))
+                proposals.append(int(row.feed([proposals[-1]]).argmax()))
         accepted = 0
         while accepted < len(proposals) and proposals[accepted] == answer[committed + accepted]:
             accepted += 1
         committed += accepted + 1
         rounds += 1
-        keep = min(cached, len(prompt) + committed - 1)  # K/V of rejected proposals is dropped
-        for layer in cache_layers(cache):
-            layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
-        cached = keep
+        row.crop(min(row.cached, len(prompt) + committed - 1))  # K/V of rejected proposals is dropped
     return len(answer), rounds

@@ -119,18 +119,20 @@ def plot(rows, out_dir: Path) -> list[str]:
     return ["throughput.png", "breakdown.png"]
 
 
-def first_per_category(path, prompts, count: int):
-    """The first `count` prompts of each `category` (Spec-Bench files have one), in file order."""
-    categories = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            categories.append(json.loads(line).get("category", "all"))
+def prompt_categories(path) -> list[str]:
+    """The `category` of each line of a JSONL prompt file (Spec-Bench has one; "all" where missing)."""
+    return [json.loads(line).get("category", "all")
+            for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def first_per_category(categories: list[str], count: int) -> list[int]:
+    """Indices of the first `count` prompts of each category, in file order."""
     seen: dict = {}
     chosen = []
-    for prompt, category in zip(prompts, categories):
+    for i, category in enumerate(categories):
         seen[category] = seen.get(category, 0) + 1
         if seen[category] <= count:
-            chosen.append(prompt)
+            chosen.append(i)
     return chosen
 
 
@@ -172,7 +174,7 @@ def run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError) -> i
         raise UserError(f"unknown method {unknown[0]!r}; expected some of {', '.join(KNOWN)}")
     prompts = read_prompt_file(args.prompts)
     if args.per_category:
-        prompts = first_per_category(args.prompts, prompts, args.per_category)
+        prompts = [prompts[i] for i in first_per_category(prompt_categories(args.prompts), args.per_category)]
     prompts = prompts[:args.limit]
     target, draft, tokenizer = load_pair(args)
     if draft is None and any(m != "ar" for m in methods):

@@ -28,18 +28,6 @@ from pathlib import Path
 
 
 
-def spec_bench_questions(path, per_category: int) -> list[tuple[str, str]]:
-    """(category, first turn) of the first `per_category` questions of each category, in file order."""
-    chosen, seen = [], {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            record = json.loads(line)
-            seen[record["category"]] = seen.get(record["category"], 0) + 1
-            if seen[record["category"]] <= per_category:
-                chosen.append((record["category"], record["turns"][0]))
-    return chosen
-
-
 def replay_tau(draft, ids, answers, categories, k: int) -> tuple[float, dict]:
     """τ overall and per category from draft-only replays of the known greedy answers."""
     from specbatch.fast.acceptance import simulate_rounds
@@ -57,19 +45,15 @@ def step_ms(model, context: int = 300, steps: int = 40) -> float:
     import time
 
     import torch
-    from transformers import DynamicCache
 
-    from specbatch.fast.cache import rect_inputs
-    from specbatch.fast.models import ModelRunner, mask_fill_value
-    runner, cache, zero = ModelRunner(model), DynamicCache(), torch.zeros(1, dtype=torch.long)
-    ids = torch.randint(100, 40000, (1, context + steps), generator=torch.Generator().manual_seed(0))
-    position, mask = rect_inputs(zero, 0, context, None, torch.float32, mask_fill_value(torch.float32))
-    runner(ids[:, :context], position, mask, cache)
+    from specbatch.fast.acceptance import UnpaddedRow
+    row = UnpaddedRow(model)
+    ids = torch.randint(100, 40000, (context + steps,), generator=torch.Generator().manual_seed(0)).tolist()
+    row.feed(ids[:context])
     times = []
-    for i in range(steps):
-        position, mask = rect_inputs(zero, context + i, 1, None, torch.float32, mask_fill_value(torch.float32))
+    for token in ids[context:]:
         start = time.perf_counter()
-        runner(ids[:, context + i:context + i + 1], position, mask, cache, last_only=True)
+        row.feed([token])
         times.append(time.perf_counter() - start)
     return 1000 * sorted(times)[len(times) // 2]
 
@@ -102,7 +86,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     import specbatch
+    from specbatch.bench import first_per_category, prompt_categories
+    from specbatch.cli import encode_prompts
     from specbatch.fast.loading import load_draft, load_model
+    from specbatch.io import read_prompts
 
     target, tokenizer = load_model("smollm2")
     k = args.num_draft_tokens
@@ -115,10 +102,10 @@ def main(argv=None):
         return
     extra, reference_speed, runs, kw = [], None, [], {}
     if args.mode == "specbench":
-        questions = spec_bench_questions(args.questions, args.per_category)
-        categories = [c for c, _ in questions]
-        ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
-               for _, q in questions]
+        all_categories, questions = prompt_categories(args.questions), read_prompts(args.questions)  # first turns
+        chosen = first_per_category(all_categories, args.per_category)
+        categories = [all_categories[i] for i in chosen]
+        ids = encode_prompts([questions[i][1] for i in chosen], tokenizer, chat_template=True)
         kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, strategy=args.strategy,
                   progress=True)
         reference = specbatch.generate(target, None, ids, **kw)

@@ -41,14 +41,14 @@ def read_jsonl(paths) -> dict:
 
 def load_examples(prompt_files, answer_files, tokenizer, max_len: int) -> list[tuple[str, list[int], int]]:
     """(id, prompt + answer token ids, index of the first answer token), answered prompts only."""
+    from specbatch.cli import encode_prompts  # the chat template exactly as `specbatch generate` applied it
+
     prompts, answers = read_jsonl(prompt_files), read_jsonl(answer_files)
+    answered = [ident for ident, answer in answers.items() if ident in prompts and answer["token_ids"]]
+    encoded = encode_prompts([prompts[ident]["prompt"] for ident in answered], tokenizer, chat_template=True)
     examples = []
-    for ident, answer in answers.items():
-        if ident not in prompts or not answer["token_ids"]:
-            continue
-        chat = [{"role": "user", "content": prompts[ident]["prompt"]}]
-        prompt_ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
-        ids = (list(prompt_ids) + list(answer["token_ids"]))[:max_len]
+    for ident, prompt_ids in zip(answered, encoded):
+        ids = (prompt_ids + list(answers[ident]["token_ids"]))[:max_len]
         if len(prompt_ids) < len(ids):
             examples.append((ident, ids, len(prompt_ids)))
     return examples
