@@ -155,6 +155,7 @@ def cmd_generate(args) -> int:
             ResultWriter(args.out, order, done).finish()
             for path in parts:
                 __import__("os").remove(path)
+    distributed.shutdown()
     if result is not None:
         st = result.stats
         print(f"{'rank ' + str(rank) + ': ' if size > 1 else ''}{st['generated_tokens']} tokens in "

@@ -35,6 +35,17 @@ def init_from_env(device: str = "cpu") -> tuple[int, int]:
     return world()
 
 
+def shutdown() -> None:
+    """Leave the process group: every rank waits for the others, then the group is destroyed.
+
+    Without it the gloo group is torn down by the interpreter's exit while its worker threads are
+    still joinable, and a rank can die at exit with "terminate called without an active exception"
+    (SIGABRT), which torchrun reports as a failure although every result was written."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def shard(count: int, rank: int, size: int) -> list[int]:
     """The request indices this rank decodes: a deterministic round-robin shard."""
     return list(range(rank, count, size))
