@@ -17,19 +17,26 @@ def cache_argument(model) -> str:
 class ModelRunner:
     """Calls one model with input ids, explicit position ids, a 4D additive mask and a cache.
 
-    Counts the token positions it processes (the work counters in the stats)."""
+    Counts the token positions it processes (the work counters in the stats). kv_lens, when given,
+    is each row's visible length (host integers): fast.attention then reads each group of rows of
+    similar length only up to its own longest row."""
 
     def __init__(self, model):
         self.model = model
         self.cache_kw = cache_argument(model)
         self.tokens_processed = 0
 
-    def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False):
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False, kv_lens=None):
+        from .attention import forward_plan
         self.tokens_processed += input_ids.numel()
         kwargs = {self.cache_kw: cache}
         if last_only:
             kwargs["logits_to_keep"] = 1
-        with torch.inference_mode():
+        with torch.inference_mode(), forward_plan(kv_lens, input_ids.device):
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
                              **kwargs)
         return out.logits

@@ -1,12 +1,18 @@
 """A transformers `Cache` for the ragged layout: one preallocated buffer row per slot, written at
 per-row offsets, never moved.
 
-Before each forward the engine says which slot rows take part (`rows`, None for all), where each
-query's K/V goes (`write_index` [R, Q]: the query's content index; negative for a pad query, which
-writes into a spare trash slot) and how many slots the queries may look at (`kv_len`). Each layer's
-`update` scatters the new K/V into the buffer and returns the first `kv_len` slots of those rows;
+Before each forward the engine says how many slot rows take part (rows 0..R-1: the engine keeps its
+running rows there), where each query's K/V goes (`write_index` [R, Q]: the query's content index;
+negative for a pad query, which writes into a spare trash slot) and how many slots the queries may
+look at (`kv_len`). Each layer's `update` scatters the new K/V into the buffer and returns a view of
+the first `kv_len` slots of those rows;
 the 4D mask the engine passes hides everything but content 0..q of the row (I4), so stale slots
 (rejected drafts, earlier requests) need no clearing (proofs_notes/ragged.md).
+
+A packed prefill (fast.prefill) is the other kind of forward: one sequence holding the prompts of
+several rows back to back. `prepare_packed` gives each query its own slot row and content index;
+`update` scatters the K/V there and returns the pack's own K/V, which is all a fresh prompt can
+see (the block-diagonal mask keeps prompts apart).
 """
 from __future__ import annotations
 
@@ -30,23 +36,23 @@ class SlotLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(slots, heads, capacity, value_states.shape[-1])
         self.is_initialized = True
 
-    def _flat_index(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def _flat_index(self, row_of_query: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Rows of keys.view(-1, D) for each (query row, head, query) of key_states [R, H, Q, D]."""
         heads, capacity = self.keys.shape[1], self.keys.shape[2]
         head = torch.arange(heads, device=index.device)
-        return ((rows[:, None, None] * heads + head[None, :, None]) * capacity + index[:, None, :]).reshape(-1)
+        return ((row_of_query[:, None, :] * heads + head[None, :, None]) * capacity + index[:, None, :]).reshape(-1)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
-        flat = self._flat_index(owner.row_index, owner.write_slot)
+        flat = self._flat_index(owner.row_of_query, owner.write_slot)
         self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
         self.values.view(-1, self.values.shape[-1]).index_copy_(
             0, flat, value_states.reshape(-1, value_states.shape[-1]))
-        keys, values = self.keys[:, :, :owner.kv_len], self.values[:, :, :owner.kv_len]
-        if owner.rows is not None:  # a subset of slots (new rows' prefill, or a batch with idle slots)
-            keys, values = keys.index_select(0, owner.rows), values.index_select(0, owner.rows)
-        return keys, values
+        if owner.packed:  # a fresh pack of prompts sees only itself
+            return key_states, value_states
+        return self.keys[:owner.rows, :, :owner.kv_len], self.values[:owner.rows, :, :owner.kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.kv_len, 0
@@ -63,16 +69,36 @@ class SlotCache(Cache):
 
     def __init__(self, num_layers: int, slots: int, capacity: int, device):
         self.slots, self.capacity, self.device = slots, capacity, device
-        self.rows = None
+        self.rows, self.packed = slots, False
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
-    def prepare(self, rows: torch.Tensor | None, query_index: torch.Tensor, kv_len: int) -> None:
-        """Set up the next forward: rows (None: all slots, in order), each query's content index, and
-        the number of slots to attend over (largest query index + 1, known on the host)."""
-        self.rows = rows
-        self.row_index = rows if rows is not None else torch.arange(self.slots, device=self.device)
-        self.write_slot = torch.where(query_index >= 0, query_index, torch.full_like(query_index, self.capacity))
+    def _write_slots(self, query_index: torch.Tensor) -> torch.Tensor:
+        return torch.where(query_index >= 0, query_index, torch.full_like(query_index, self.capacity))
+
+    def prepare(self, count: int, query_index: torch.Tensor, kv_len: int) -> None:
+        """Set up the next forward over slot rows 0..count-1 (the engine keeps its running rows there):
+        each query's content index, and the number of slots to attend over (largest query index + 1,
+        known on the host). The layers then return views of the buffers: nothing is copied."""
+        self.rows, self.packed = count, False
+        self.row_of_query = torch.arange(count, device=self.device)[:, None].expand(query_index.shape)
+        self.write_slot = self._write_slots(query_index)
         self.kv_len = kv_len
+
+    def prepare_packed(self, slot_of_query: torch.Tensor, query_index: torch.Tensor) -> None:
+        """Set up a packed prefill: query j of the single pack row writes slot row slot_of_query[0, j]
+        at content index query_index[0, j] (negative: the trash slot)."""
+        self.rows, self.packed = None, True
+        self.row_of_query = slot_of_query
+        self.write_slot = self._write_slots(query_index)
+        self.kv_len = query_index.shape[1]
+
+    def move_row(self, src: int, dst: int, count: int) -> None:
+        """Copy the first `count` slots of buffer row src into row dst, in every layer (compaction)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                with torch.inference_mode():  # the buffers were made inside the forward's inference mode
+                    layer.keys[dst, :, :count] = layer.keys[src, :, :count]
+                    layer.values[dst, :, :count] = layer.values[src, :, :count]
 
     def slot_values(self, layer: int, row: int, count: int):
         """Keys and values [count, H, D] held by slots 0..count-1 of one row (for checking I3)."""

@@ -66,6 +66,29 @@ def check_mask(mask, query_index, slot_index, window: int | None = None) -> list
     return out
 
 
+def check_packed_forward(position_ids, mask, lengths, window: int | None = None) -> list[Violation]:
+    """I2 and I4 for a packed forward: one sequence [1, T] holding several prompts back to back
+    (lengths[s] tokens of prompt s, in order). Token j of prompt s must have position j and see
+    exactly tokens 0..j of prompt s (with a window W: the last W). Expected values come from the
+    lengths alone; `row` in a violation is the prompt's place in the pack."""
+    segment = np.repeat(np.arange(len(lengths)), lengths)
+    index = np.concatenate([np.arange(n) for n in lengths]) if len(lengths) else np.zeros(0, dtype=np.int64)
+    pos = as_numpy(position_ids).reshape(-1)
+    out = [Violation("I2", "position id differs from the content index in a packed forward", row=int(segment[t]),
+                     index=int(index[t]), expected=int(index[t]), actual=int(pos[t]))
+           for t in np.nonzero(pos != index)[0]]
+    allowed = allowed_from_mask(mask).reshape(len(index), len(index))
+    want = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])
+    if window is not None:
+        want &= index[None, :] > index[:, None] - window
+    for q, k in zip(*np.nonzero(allowed != want)):
+        what = "sees a token it must not" if allowed[q, k] else "cannot see a token of its own prefix"
+        out.append(Violation("I4", f"packed query {int(index[q])} of prompt {int(segment[q])} {what} (pack slot "
+                                   f"{int(k)}: prompt {int(segment[k])}, content {int(index[k])})",
+                             row=int(segment[q]), index=int(k), expected=bool(want[q, k]), actual=bool(allowed[q, k])))
+    return out
+
+
 def check_kv(keys, slot_index, valid_len, recompute: Callable[[int], np.ndarray], rows: Iterable[int] | None = None,
              rtol: float = 1e-4, atol: float = 1e-5, name: str = "cache") -> list[Violation]:
     """I3: every visible slot of row i holds the K (or V) of its content index, as a fresh unpadded

@@ -282,6 +282,18 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
     return accepted, n, hit_eos, k_round
 
 
+def move_slot(state: RaggedState, caches, src: int, dst: int) -> None:
+    """Move one running request from slot src to the free slot dst: its tokens, lengths and the K/V
+    of both caches (SlotQueue.compact decides the moves)."""
+    for name in ("tokens", "content_len", "request", "prompt_len", "budget_end", "target_pending", "draft_pending"):
+        array = getattr(state, name)
+        array[dst] = array[src]
+    state.request[src] = -1
+    for layers in caches.values():
+        for keys, values in layers:
+            keys[dst], values[dst] = keys[src], values[src]
+
+
 def _new_rows(prompts, max_new, requests, target, draft, opt):
     if not requests:
         return []
@@ -377,6 +389,8 @@ def generate(target, draft, prompts, *, max_new_tokens, k: int = 4, eos_ids=(), 
                         for layer, (k_, v_) in enumerate(kv):
                             caches[name][layer][0][slot, :len(k_)] = k_
                             caches[name][layer][1][slot, :len(v_)] = v_
+            for src, dst in slots.compact():  # running rows stay in slots 0..R-1
+                move_slot(state, caches, src, dst)
             rows = np.nonzero(state.active)[0]
             trace_rows = [] if writer is not None else None
             accepted, n, hit_eos, k_round = ragged_round(state, caches, rows, target, draft, opt,

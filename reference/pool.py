@@ -94,7 +94,8 @@ class ExspecPool:
 
 @dataclass
 class SlotQueue:
-    """The ragged layout's scheduler: fixed slots, FIFO queue, a finished row frees its slot."""
+    """The ragged layout's scheduler: fixed slots, FIFO queue, a finished row frees its slot, queued
+    requests take free slots lowest first, and `compact` keeps the running rows in slots 0..R-1."""
 
     slots: int
     queue: list = field(default_factory=list)
@@ -119,6 +120,22 @@ class SlotQueue:
     def release(self, slot: int) -> None:
         self.done.append(self.owner[slot])
         self.owner[slot] = -1
+
+    def compact(self) -> list[tuple[int, int]]:
+        """Move requests from the highest occupied slots into the lowest free ones until the
+        occupied slots are exactly 0..R-1; returns the moves (from_slot, to_slot) in order.
+
+        The engine calls it after refilling, so a hole is filled by a move only when no request
+        was waiting for it; the running rows then always form the prefix of the slot buffers."""
+        moves = []
+        while True:
+            free = [s for s in range(self.slots) if self.owner[s] < 0]
+            used = [s for s in range(self.slots) if self.owner[s] >= 0]
+            if not free or not used or free[0] > used[-1]:
+                return moves
+            src, dst = used[-1], free[0]
+            self.owner[dst], self.owner[src] = self.owner[src], -1
+            moves.append((src, dst))
 
     def members(self) -> dict:
         return {"queue": list(self.queue), "pool": [], "running": [r for r in self.owner if r >= 0],

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from .fast.attention import engine_attention
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
@@ -158,7 +159,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     run = {"eqspec": eqspec.run, "ragged": ragged.run, "bsp-like": broken.run_bsp_like,
            "dsd-like": broken.run_dsd_like,
            "exspec": functools.partial(exspec.run, pool_window=pool_window, max_wait=max_wait)}[strategy]
-    with torch.inference_mode():
+    with torch.inference_mode(), engine_attention(target, draft):
         run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
     stats.time_total = time.perf_counter() - start
     if bar is not None:

@@ -59,12 +59,12 @@ class RaggedMachine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "engine") and (self.arrivals.allowed > len(self.done)))
     @rule()
     def round(self):
-        self.engine.admit()
-        if self.engine.queue.queue:  # after admission the batch is full while requests wait
-            assert (self.engine.request >= 0).all()
-        if (self.engine.request >= 0).any():
+        if self.engine.step(self.rounds + 1, lambda r, tokens, reason, n: self.done.setdefault(r, tokens)):
             self.rounds += 1
-            self.engine.round(self.rounds, lambda r, tokens, reason, n: self.done.setdefault(r, tokens))
+            ran = self.engine.last_round
+            assert ran["slots"] == list(range(len(ran["slots"])))  # the running rows were slots 0..R-1
+            if ran["queued"]:  # requests waited, so the round ran with every slot
+                assert len(ran["slots"]) == self.engine.slots
 
     @rule()
     def idle(self):

@@ -69,6 +69,15 @@ class SlotQueueMachine(RuleBasedStateMachine):
         self.slots.refill()
         if self.slots.queue:  # the batch stays full while requests remain
             assert all(o >= 0 for o in self.slots.owner)
+        before = list(self.slots.owner)
+        moves = self.slots.compact()
+        running = [r for r in self.slots.owner if r >= 0]
+        assert sorted(running) == sorted(r for r in before if r >= 0)  # nobody lost, nobody added
+        assert self.slots.owner[:len(running)] == running  # the running rows are slots 0..R-1
+        assert len(moves) == sum(o < 0 for o in before[:len(running)])  # one move per hole below the top
+        for src, dst in moves:
+            assert before[src] >= 0 and dst < src
+            assert self.slots.owner[dst] == before[src]
         for slot, owner in enumerate(self.slots.owner):
             if owner >= 0 and data.draw(st.booleans()):
                 self.slots.release(slot)

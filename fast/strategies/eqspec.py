@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from ..cache import cache_width, gather_cache, rect_inputs
+from ..prefill import prefill_rectangle
 from ...invariants import check_alignment
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, dynamic_layer_kv,
                       observe_round, raise_violations)
@@ -30,7 +31,8 @@ class RectBatch:
 
     @classmethod
     def prefill(cls, prompts, requests, max_new, target, draft, settings: Settings, stats: Stats, clock):
-        """A new batch: left-pad the prompts and prefill both caches on everything but the pending token."""
+        """A new batch: left-pad the prompts and prefill both caches on everything but the pending token
+        (fast.prefill: the real tokens only, written at their left-padded columns)."""
         prompt_len = np.array([len(p) for p in prompts])
         width = int(prompt_len.max())
         tokens = torch.tensor([[settings.pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long,
@@ -39,12 +41,13 @@ class RectBatch:
                     content_len=prompt_len.copy(), budget_end=prompt_len + np.asarray(max_new),
                     draft_pending=np.ones(len(prompts), dtype=np.int64), tokens=tokens,
                     target_cache=DynamicCache(), draft_cache=DynamicCache())
-        with clock("time_prefill"):
-            for runner, cache in ((target, batch.target_cache), (draft, batch.draft_cache)):
-                if runner is not None and width > 1:
-                    pos, mask = rect_inputs(batch.pad_len_t, 0, width - 1, settings.window, settings.dtype,
-                                            settings.fill)
-                    runner(tokens[:, :-1], pos, mask, cache, last_only=True)
+        found = [] if settings.check else None
+        with clock("time_prefill"):  # real tokens only, packed; the caches come out left-padded (I1)
+            contents = [list(p)[:-1] for p in prompts]
+            batch.target_cache = prefill_rectangle(target, contents, width - 1, settings, found)
+            if draft is not None:
+                batch.draft_cache = prefill_rectangle(draft, contents, width - 1, settings, found)
+        raise_violations(found or [], 0)
         return batch
 
     @property

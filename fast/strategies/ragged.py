@@ -15,6 +15,7 @@ import torch
 from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
 from ..engine import Arrivals, Settings, Stats, check_cache_row, observe_round, raise_violations
+from ..prefill import prefill_into
 from ..slot_cache import SlotCache
 from ..verify import commit_counts, draft_pending_after
 
@@ -28,10 +29,6 @@ def ragged_inputs(query_index: torch.Tensor, kv_len: int, window: int | None, dt
         visible &= slot > q - window
     mask = torch.zeros(visible.shape, dtype=dtype, device=query_index.device).masked_fill_(~visible, fill)
     return query_index.clamp(min=0), mask[:, None]
-
-
-def num_layers(runner) -> int:
-    return int(runner.model.config.num_hidden_layers)
 
 
 class RaggedEngine:
@@ -48,24 +45,25 @@ class RaggedEngine:
         self.budget_end = np.zeros(slots, dtype=np.int64)
         self.draft_pending = np.ones(slots, dtype=np.int64)
         self.rounds = np.zeros(slots, dtype=np.int64)  # rounds the slot's request has run
-        self.caches = {"target": SlotCache(num_layers(target), slots, capacity, dev)}
+        self.caches = {"target": SlotCache(target.num_layers, slots, capacity, dev)}
         if draft is not None:
-            self.caches["draft"] = SlotCache(num_layers(draft), slots, capacity, dev)
+            self.caches["draft"] = SlotCache(draft.num_layers, slots, capacity, dev)
         self.queue = SlotQueue(slots)
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
 
-    def forward(self, name, rows_t, query_index: np.ndarray, ids, found, last_only=False):
-        """One forward of `name` over the slot rows `rows_t` (None: all) with per-row query indices."""
+    def forward(self, name, query_index: np.ndarray, ids, found, last_only=False):
+        """One forward of `name` over the running slot rows 0..R-1 with per-row query indices."""
         s = self.settings
         cache = self.caches[name]
         q = torch.as_tensor(query_index, device=s.device)
-        cache.prepare(rows_t, q, int(query_index.max()) + 1)  # host numpy: no device sync
+        cache.prepare(len(query_index), q, int(query_index.max()) + 1)  # host numpy: no device sync
         pos, mask = ragged_inputs(q, cache.kv_len, s.window, s.dtype, s.fill)
         if s.check:
             slot = np.broadcast_to(np.arange(cache.kv_len), (len(query_index), cache.kv_len))
             found += check_positions(pos, query_index) + check_mask(mask, query_index, slot, s.window)
         runner = self.target if name == "target" else self.draft
-        return runner(ids, pos, mask, cache, last_only=last_only), pos, mask
+        kv_lens = query_index.max(axis=1) + 1  # each row's visible length: attention reads no further
+        return runner(ids, pos, mask, cache, last_only=last_only, kv_lens=kv_lens), pos, mask
 
     def admit(self) -> None:
         """Prefill newly placed requests into their slots, in one forward per model."""
@@ -82,22 +80,37 @@ class RaggedEngine:
         prompts = [list(self.prompts[r]) for r in requests]
         self.tokens[torch.as_tensor(slots, device=dev), :width] = torch.tensor(
             [p + [0] * (width - len(p)) for p in prompts], device=dev)  # content j in column j
-        padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=dev)  # for the prefill
         self.request[slots], self.content_len[slots], self.prompt_len[slots] = requests, lens, lens
         self.budget_end[slots] = lens + np.array([self.max_new[r] for r in requests])
         self.draft_pending[slots], self.rounds[slots] = 1, 0
-        if width > 1:
-            query_index = np.arange(width - 1)[None, :] - (width - lens)[:, None]  # right-aligned, pads < 0
-            rows_t = torch.as_tensor(slots, device=self.settings.device)
-            with self.clock("time_prefill"):
-                for name in self.caches:
-                    self.forward(name, rows_t, query_index, padded[:, :-1], [], last_only=True)
+        found = [] if self.settings.check else None
+        with self.clock("time_prefill"):  # everything but each prompt's pending last token, packed
+            for name, runner in (("target", self.target), ("draft", self.draft)):
+                if runner is not None:
+                    prefill_into(runner, self.caches[name], [p[:-1] for p in prompts], slots.tolist(),
+                                 [0] * len(prompts), self.settings, found)
+        if found:
+            raise_violations(found, 0)
+
+    def compact(self) -> None:
+        """Keep the running rows in slots 0..R-1 (SlotQueue.compact): a hole left by a finished row
+        that no waiting request filled takes the highest running row (one row of cache copied)."""
+        for src, dst in self.queue.compact():
+            count = int(self.content_len[src])
+            self.tokens[dst, :count] = self.tokens[src, :count]
+            for array in (self.request, self.content_len, self.prompt_len, self.budget_end, self.draft_pending,
+                          self.rounds):
+                array[dst] = array[src]
+            self.request[src] = -1
+            for cache in self.caches.values():
+                cache.move_row(src, dst, count)
 
     def round(self, round_index: int, on_done) -> None:
         s = self.settings
         rows = np.nonzero(self.request >= 0)[0]
+        assert len(rows) and rows[-1] == len(rows) - 1, "running rows must be slots 0..R-1 (compact)"
         self.rounds[rows] += 1
-        rows_t = None if len(rows) == self.slots else torch.as_tensor(rows, device=s.device)
+        self.last_round = dict(slots=rows.tolist(), queued=len(self.queue.queue))
         content = self.content_len[rows]
         remaining = self.budget_end[rows] - content
         limit = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(len(rows), dtype=np.int64)
@@ -115,7 +128,7 @@ class RaggedEngine:
                 ids = self.tokens[rows_dev[:, None], torch.as_tensor(np.maximum(query_index, 0), device=s.device)]
                 steps, dists = [], []
                 for step in range(k):
-                    logits, _, _ = self.forward("draft", rows_t, query_index, ids, found, last_only=True)
+                    logits, _, _ = self.forward("draft", query_index, ids, found, last_only=True)
                     token, dist = s.chooser.draft(logits[:, -1], requests, content_t + step)
                     ids = token[:, None]
                     steps.append(ids)
@@ -128,7 +141,7 @@ class RaggedEngine:
             query_index = content[:, None] - 1 + np.arange(k + 1)[None, :]
             last = self.tokens[rows_dev, torch.as_tensor(content - 1, device=s.device)]
             ids = torch.cat([last[:, None], drafted], dim=1)
-            logits, pos, mask = self.forward("target", rows_t, query_index, ids, found)
+            logits, pos, mask = self.forward("target", query_index, ids, found)
             choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(limit), requests, content_t)
             n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
             accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()
@@ -189,9 +202,17 @@ class RaggedEngine:
             if not self.queue.queue and not (self.request >= 0).any():
                 self.arrivals.wait()
                 continue
-            self.admit()
             round_index += 1
-            self.round(round_index, on_done)
+            self.step(round_index, on_done)
+
+    def step(self, round_index: int, on_done) -> bool:
+        """Admit what arrived into free slots, compact, and run one round if any row is running."""
+        self.admit()
+        self.compact()
+        if not (self.request >= 0).any():
+            return False
+        self.round(round_index, on_done)
+        return True
 
 
 def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):

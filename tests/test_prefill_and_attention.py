@@ -1,0 +1,157 @@
+"""Packed prefill (fast.prefill) and length-grouped attention (fast.attention): the K/V they leave in
+the caches equal unpadded batch-1 prefills (I3), packs keep prompts apart (I2, I4), grouping reads
+every row's whole visible range, and generation through them equals transformers' greedy decoding
+with prompts of 1 to 700 tokens mixed in one admission, pad == EOS and pad ids inside prompts."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import specbatch
+from hf_models import EOS, VOCAB, oracle, tiny
+from specbatch.fast import prefill as prefill_module
+from specbatch.fast.attention import PLAN, forward_plan, grouped_attention, plain_attention, plan_groups
+from specbatch.fast.engine import Settings, fresh_kv
+from specbatch.fast.models import ModelRunner, mask_fill_value
+from specbatch.fast.prefill import packed_inputs, plan_packs, prefill_into, prefill_rectangle
+from specbatch.fast.slot_cache import SlotCache
+from specbatch.invariants import check_packed_forward
+
+RNG = np.random.default_rng(11)
+LENGTHS = (1, 700, 3, 64, 2, 129, 1, 17)
+LONG = [RNG.integers(0, VOCAB, n).tolist() for n in LENGTHS]
+LONG[3][5] = LONG[5][0] = EOS  # the pad id (== EOS) inside prompts
+
+
+def long_target():
+    return tiny("llama", max_position_embeddings=1024)
+
+
+def settings_for(model):
+    return Settings(k=0, eos_ids=(EOS,), window=None, dtype=torch.float64, device=torch.device("cpu"),
+                    fill=mask_fill_value(torch.float64))
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 64))
+def test_packs_hold_every_prompt_once_in_order_within_the_budget(lengths, budget):
+    packs = plan_packs(lengths, budget)
+    flat = [i for pack in packs for i in pack]
+    assert flat == [i for i, n in enumerate(lengths) if n > 0]  # every non-empty prompt once, in order
+    for pack in packs:
+        assert len(pack) == 1 or sum(lengths[i] for i in pack) <= budget  # a longer prompt goes alone
+
+
+@pytest.mark.parametrize("budget", [512, 40])
+def test_packed_prefill_leaves_the_kv_of_unpadded_prefills(monkeypatch, budget):
+    """Content j of every row sits in its slot j with the K/V of a fresh batch-1 prefill (I3)."""
+    monkeypatch.setattr(prefill_module, "PACK_TOKENS", budget)
+    model = long_target()
+    runner, settings = ModelRunner(model), settings_for(model)
+    contents = [p[:-1] for p in LONG]
+    slots = [5, 0, 3, 7, 1, 2, 6, 4]  # rows land in arbitrary slots
+    cache = SlotCache(runner.num_layers, 8, 720, settings.device)
+    found = []
+    prefill_into(runner, cache, contents, slots, [0] * len(contents), settings, found)
+    assert found == []
+    assert runner.tokens_processed == sum(len(c) for c in contents)  # real tokens only
+    for content, slot in zip(contents, slots):
+        if not content:
+            continue
+        for layer, (keys, values) in enumerate(fresh_kv(runner, content, settings)):
+            got_k, got_v = cache.slot_values(layer, slot, len(content))
+            torch.testing.assert_close(got_k, keys, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(got_v, values, rtol=1e-10, atol=1e-12)
+
+
+def test_rectangular_prefill_right_aligns_each_row():
+    model = long_target()
+    runner, settings = ModelRunner(model), settings_for(model)
+    contents = [p[:-1] for p in LONG]
+    width = max(len(c) for c in contents)
+    cache = prefill_rectangle(runner, contents, width, settings)
+    for row, content in enumerate(contents):
+        if not content:
+            continue
+        pad = width - len(content)
+        for layer, (keys, values) in enumerate(fresh_kv(runner, content, settings)):
+            got = cache.layers[layer].keys[row, :, pad:].transpose(0, 1)
+            torch.testing.assert_close(got, keys, rtol=1e-10, atol=1e-12)
+
+
+def test_a_pack_that_leaks_across_prompts_or_shifts_positions_is_caught():
+    contents = [[4, 5, 6], [7, 8], [9]]
+    ids, pos, mask, segment = packed_inputs(contents, None, torch.float64, -1e30, "cpu")
+    assert check_packed_forward(pos, mask, [3, 2, 1]) == []
+    leaky = mask.clone()
+    leaky[0, 0, 3, 2] = 0  # prompt 1's first token sees prompt 0's last token
+    found = check_packed_forward(pos, leaky, [3, 2, 1])
+    assert [v.invariant for v in found] == ["I4"] and found[0].row == 1
+    shifted = pos.clone()
+    shifted[0, 3:5] += 3  # prompt 1 continues prompt 0's positions instead of restarting at 0
+    assert {v.invariant for v in check_packed_forward(shifted, mask, [3, 2, 1])} == {"I2"}
+    windowed = packed_inputs(contents, 2, torch.float64, -1e30, "cpu")[2]
+    assert check_packed_forward(pos, windowed, [3, 2, 1], window=2) == []
+    assert check_packed_forward(pos, mask, [3, 2, 1], window=2)  # the window hides content 0 from query 2
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=20))
+def test_groups_cover_every_row_once_and_read_its_whole_range(lengths):
+    kv_lens = np.array(lengths)
+    groups = plan_groups(kv_lens)
+    rows = np.concatenate([r for r, _ in groups])
+    assert sorted(rows.tolist()) == list(range(len(lengths)))
+    for members, length in groups:
+        assert length >= kv_lens[members].max()  # no row is cut short
+        assert length == kv_lens[members].max()  # and no group reads past its longest row
+    assert len(groups) <= 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_grouped_attention_equals_attention_over_the_longest_row(dtype):
+    torch.manual_seed(0)
+    batch, heads, kv_heads, queries, dim, slots = 7, 6, 2, 3, 8, 90
+    kv_lens = np.array([5, 90, 12, 7, 60, 5, 33])
+    q = torch.randn(batch, heads, queries, dim, dtype=dtype)
+    k, v = torch.randn(batch, kv_heads, slots, dim, dtype=dtype), torch.randn(batch, kv_heads, slots, dim, dtype=dtype)
+    slot = torch.arange(slots)[None, None, :]
+    query_index = torch.as_tensor(kv_lens)[:, None] - queries + torch.arange(queries)[None, :]
+    visible = slot <= query_index[:, :, None]
+    mask = torch.zeros(batch, queries, slots, dtype=dtype).masked_fill_(~visible, -1e30)[:, None]
+    want = plain_attention(q, k, v, mask, dim ** -0.5)
+    with forward_plan(kv_lens, "cpu"):
+        assert len(PLAN.groups) > 1
+        got = grouped_attention(q, k, v, mask, dim ** -0.5)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    expanded_k, expanded_v = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)  # GQA by copying
+    reference = torch.nn.functional.scaled_dot_product_attention(q.double(), expanded_k.double(), expanded_v.double(),
+                                                                 attn_mask=mask.double())
+    torch.testing.assert_close(got.double(), reference, **tol)
+
+
+def test_a_group_read_cut_short_changes_the_output():
+    """Mutation check: if a group read only up to its shortest row, some row would lose slots."""
+    torch.manual_seed(1)
+    kv_lens = np.array([4, 40, 41])
+    q, k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 41, 4), torch.randn(3, 2, 41, 4)
+    visible = torch.arange(41)[None, None, :] < torch.as_tensor(kv_lens)[:, None, None]
+    mask = torch.zeros(3, 1, 41).masked_fill_(~visible, -1e30)[:, None]
+    want = plain_attention(q, k, v, mask, 0.5)
+    short = [(torch.as_tensor(r), int(kv_lens[r].min())) for r, _ in plan_groups(kv_lens)]
+    PLAN.groups = short
+    try:
+        assert not torch.allclose(grouped_attention(q, k, v, mask, 0.5), want)
+    finally:
+        PLAN.groups = None
+
+
+@pytest.mark.parametrize("strategy", ["ragged", "eqspec", "exspec"])
+def test_prompts_of_1_to_700_tokens_in_one_admission(strategy):
+    target = long_target()
+    want = oracle(target, LONG, 6, [EOS])
+    draft = tiny("llama", layers=1, seed=3, max_position_embeddings=1024)
+    result = specbatch.generate(target, draft, LONG, max_new_tokens=6, num_draft_tokens=3, batch_size=len(LONG),
+                                strategy=strategy, pad_token_id=EOS, check_invariants=True)
+    assert result.sequences == want
+    assert result.stats["target_tokens_processed"] < sum(LENGTHS) + len(LONG) * 6 * 4  # no padded rectangle
