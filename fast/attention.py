@@ -68,10 +68,27 @@ def plan_groups(kv_lens: np.ndarray, max_groups: int = 4, candidates: int = 32) 
     return out[::-1]
 
 
-class Plan:
-    """The row groups of the forward about to run (set by ModelRunner, read by every layer)."""
+def plan_parts(groups: list[tuple[np.ndarray, int]]) -> list[tuple[object, int]]:
+    """How each group is read: as slices of consecutive rows (views, nothing copied) where its rows
+    form few runs, else gathered into one copy. Returns (slice or row index array, length) parts.
 
-    groups: list | None = None  # [(row index tensor or None for all rows, visible length)]
+    Gathering copies the group's slots and reads them again (about 2 x rows x length row-slots
+    more); each extra slice costs one more call (GROUP_COST)."""
+    parts = []
+    for rows, length in groups:
+        runs = np.split(rows, np.nonzero(np.diff(rows) != 1)[0] + 1)
+        if (len(runs) - 1) * GROUP_COST <= 2 * len(rows) * length:
+            parts += [(slice(int(run[0]), int(run[-1]) + 1), length) for run in runs]
+        else:
+            parts.append((rows, length))
+    return parts
+
+
+class Plan:
+    """The parts of the forward about to run (set by ModelRunner, read by every layer): each a
+    slice of rows or a row index tensor, with the number of slots its rows read."""
+
+    parts: list | None = None
 
 
 PLAN = Plan()
@@ -81,15 +98,14 @@ PLAN = Plan()
 def forward_plan(kv_lens, device):
     """Group the rows of the next forward by their visible lengths (host array, or None)."""
     if kv_lens is None:
-        PLAN.groups = None
+        PLAN.parts = None
     else:
-        groups = plan_groups(np.asarray(kv_lens))
-        PLAN.groups = [(None if len(groups) == 1 else torch.as_tensor(rows, device=device), length)
-                       for rows, length in groups]
+        PLAN.parts = [(rows if isinstance(rows, slice) else torch.as_tensor(rows, device=device), length)
+                      for rows, length in plan_parts(plan_groups(np.asarray(kv_lens)))]
     try:
         yield
     finally:
-        PLAN.groups = None
+        PLAN.parts = None
 
 
 def plain_attention(query, key, value, mask, scaling):
@@ -109,18 +125,22 @@ def plain_attention(query, key, value, mask, scaling):
 
 
 def grouped_attention(query, key, value, mask, scaling):
-    """plain_attention per group of rows, each reading only its own first `length` slots."""
-    groups = PLAN.groups
-    if not groups or len(groups) == 1:
-        length = groups[0][1] if groups else key.shape[2]
+    """plain_attention per part of the rows, each reading only its own first `length` slots."""
+    parts = PLAN.parts or [(slice(0, query.shape[0]), key.shape[2])]
+    if len(parts) == 1 and isinstance(parts[0][0], slice):
+        length = parts[0][1]
         return plain_attention(query, key[:, :, :length], value[:, :, :length],
                                None if mask is None else mask[..., :length], scaling)
     out = query.new_empty(query.shape[:3] + (value.shape[-1],))
-    for rows, length in groups:
-        part = plain_attention(query.index_select(0, rows), key[:, :, :length].index_select(0, rows),
-                               value[:, :, :length].index_select(0, rows),
-                               None if mask is None else mask[..., :length].index_select(0, rows), scaling)
-        out.index_copy_(0, rows, part)
+    for rows, length in parts:
+        if isinstance(rows, slice):  # consecutive rows: views, nothing copied
+            out[rows] = plain_attention(query[rows], key[rows, :, :length], value[rows, :, :length],
+                                        None if mask is None else mask[rows, ..., :length], scaling)
+        else:
+            out.index_copy_(0, rows, plain_attention(
+                query.index_select(0, rows), key[:, :, :length].index_select(0, rows),
+                value[:, :, :length].index_select(0, rows),
+                None if mask is None else mask[..., :length].index_select(0, rows), scaling))
     return out
 
 
@@ -135,7 +155,7 @@ def specbatch_attention(module, query, key, value, attention_mask, dropout: floa
                                       **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if query.shape[2] >= SDPA_MIN_QUERIES and query.dtype in (torch.float32, torch.float64):
-        length = PLAN.groups[-1][1] if PLAN.groups else key.shape[2]
+        length = max(length for _, length in PLAN.parts) if PLAN.parts else key.shape[2]
         mask = None if attention_mask is None else attention_mask[..., :length]
         out = F.scaled_dot_product_attention(query, key[:, :, :length], value[:, :, :length], attn_mask=mask,
                                              scale=scaling, enable_gqa=query.shape[1] != key.shape[1])

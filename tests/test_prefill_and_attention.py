@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import specbatch
 from hf_models import EOS, VOCAB, oracle, tiny
 from specbatch.fast import prefill as prefill_module
-from specbatch.fast.attention import PLAN, forward_plan, grouped_attention, plain_attention, plan_groups
+from specbatch.fast.attention import PLAN, forward_plan, grouped_attention, plain_attention, plan_groups, plan_parts
 from specbatch.fast.engine import Settings, fresh_kv
 from specbatch.fast.models import ModelRunner, mask_fill_value
 from specbatch.fast.prefill import packed_inputs, plan_packs, prefill_into, prefill_rectangle
@@ -105,6 +105,12 @@ def test_groups_cover_every_row_once_and_read_its_whole_range(lengths):
         assert length >= kv_lens[members].max()  # no row is cut short
         assert length == kv_lens[members].max()  # and no group reads past its longest row
     assert len(groups) <= 4
+    covered = []
+    for rows, length in plan_parts(groups):
+        members = np.arange(len(lengths))[rows] if isinstance(rows, slice) else rows
+        covered += list(members)
+        assert length >= kv_lens[members].max()
+    assert sorted(covered) == list(range(len(lengths)))  # the parts split the groups, nothing lost
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -120,7 +126,7 @@ def test_grouped_attention_equals_attention_over_the_longest_row(dtype):
     mask = torch.zeros(batch, queries, slots, dtype=dtype).masked_fill_(~visible, -1e30)[:, None]
     want = plain_attention(q, k, v, mask, dim ** -0.5)
     with forward_plan(kv_lens, "cpu"):
-        assert len(PLAN.groups) > 1
+        assert len(PLAN.parts) > 1
         got = grouped_attention(q, k, v, mask, dim ** -0.5)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, want, **tol)
@@ -139,11 +145,11 @@ def test_a_group_read_cut_short_changes_the_output():
     mask = torch.zeros(3, 1, 41).masked_fill_(~visible, -1e30)[:, None]
     want = plain_attention(q, k, v, mask, 0.5)
     short = [(torch.as_tensor(r), int(kv_lens[r].min())) for r, _ in plan_groups(kv_lens)]
-    PLAN.groups = short
+    PLAN.parts = short
     try:
         assert not torch.allclose(grouped_attention(q, k, v, mask, 0.5), want)
     finally:
-        PLAN.groups = None
+        PLAN.parts = None
 
 
 @pytest.mark.parametrize("strategy", ["ragged", "eqspec", "exspec"])

@@ -1,0 +1,91 @@
+"""Prepacked linear layers (fast.kernels): the same products as nn.Linear up to rounding, bias
+included, weights repacked when they change, modules restored after generation, and float32
+generation through them equal to transformers' greedy decoding wherever the reference is not a
+floating-point tie."""
+import numpy as np
+import pytest
+import torch
+
+import specbatch
+from hf_models import EOS, VOCAB, oracle, tiny
+from specbatch.fast import kernels
+from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.equivalence import compare
+from specbatch.reference import deviate_hashed
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="oneDNN is not available in this torch build")
+RNG = np.random.default_rng(3)
+PROMPTS = [RNG.integers(0, VOCAB, n).tolist() for n in (1, 30, 7, 64, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_equals_the_plain_product(dtype, bias):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    x = torch.randn(5, 3, 48, dtype=dtype)
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.inference_mode(), kernels.prepacked_linears(layer) as count:
+        assert count == 1
+        got = layer(x)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert "forward" not in vars(layer)  # the module's own forward is back
+
+
+def test_a_changed_weight_is_repacked_and_float64_is_left_alone():
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(16, 16, bias=False)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        with kernels.prepacked_linears(layer):
+            before = layer(x)
+        layer.weight.mul_(2)
+        with kernels.prepacked_linears(layer):
+            after = layer(x)
+    torch.testing.assert_close(after, 2 * before, rtol=1e-5, atol=1e-5)
+    with kernels.prepacked_linears(torch.nn.Linear(4, 4).double()) as count:
+        assert count == 0
+
+
+def with_random_biases(model):
+    """A copy whose linear biases are not zero (transformers initialises them to zero)."""
+    import copy
+    model = copy.deepcopy(model)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["ragged", "eqspec", "exspec"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen3"])
+def test_float32_generation_through_prepacked_layers_matches_up_to_ties(arch, strategy):
+    target = with_random_biases(tiny(arch, dtype=torch.float32))
+    want = oracle(target, PROMPTS, 12, [EOS])
+    draft = ScriptedDraft(target, deviate_hashed(2, 0.3))
+    with kernels.prepacked_linears(target) as count:
+        assert count > 0  # the path under test really is the prepacked one
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=3, batch_size=3,
+                                strategy=strategy)
+    reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
+    assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
+    assert sum(r["exact"] for r in reports) >= len(PROMPTS) - 1
+    plain = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=3, batch_size=3,
+                               strategy=strategy, prepack=False)
+    reports = compare(target, PROMPTS, plain.sequences, result.sequences, tolerance=1e-3)
+    assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
+
+
+def test_a_prepacked_layer_that_drops_its_bias_is_caught(monkeypatch):
+    """Mutation check: the generation test above fails when the bias is left out."""
+    def no_bias(module, packed):
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    target = with_random_biases(tiny("opt", dtype=torch.float32))
+    want = oracle(target, PROMPTS, 12, [EOS])
+    monkeypatch.setattr(kernels, "_packed_forward", no_bias)
+    result = specbatch.generate(target, None, PROMPTS, max_new_tokens=12, batch_size=3, strategy="ragged")
+    reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
+    assert any(not r["exact"] and r["kind"] == "error" for r in reports)
