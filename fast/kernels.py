@@ -9,7 +9,7 @@ does for linear layers, without compiling.
 
 `prepacked_linears(models)` makes every `nn.Linear` inside the given models (CPU, float32 or
 bfloat16) compute with a prepacked copy of its weight for the duration of a block, and restores
-the modules afterwards. The copy is made once and kept on the module (keyed by the weight's
+the modules afterwards. The copy is made once and kept beside the module (keyed by the weight's
 storage and version, so a changed weight is repacked); it costs a second copy of the linear
 weights in memory (`generate(..., prepack=False)` turns it off). Where oneDNN is unavailable or
 refuses a layer, the layer stays as it is.
@@ -20,6 +20,7 @@ compared like for like (tests/test_kernels.py).
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -32,14 +33,19 @@ def available() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+PACKED: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple]" = weakref.WeakKeyDictionary()  # module -> (key, packed)
+
+
 def _packed_weight(module: torch.nn.Linear):
+    """The module's prepacked weight, made on first use and again whenever the weight changed.
+    Kept beside the module (not in it), so copying or saving the module is unaffected."""
     weight = module.weight
     key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
-    cached = getattr(module, "_specbatch_packed", None)
+    cached = PACKED.get(module)
     if cached is None or cached[0] != key:
         with torch.inference_mode():
             cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-        module._specbatch_packed = cached
+        PACKED[module] = cached
     return cached[1]
 
 
