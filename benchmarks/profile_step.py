@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 CATEGORIES = {  # operator name -> part of the step
-    "aten::mm": "linear layers", "aten::addmm": "linear layers",
+    "aten::mm": "linear layers", "aten::addmm": "linear layers", "mkldnn::_linear_pointwise": "linear layers",
     "aten::bmm": "attention", "aten::baddbmm": "attention", "aten::_softmax": "attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::_scaled_dot_product_attention_math": "attention",
@@ -74,6 +74,7 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=13)
+    ap.add_argument("--show-ops", type=int, default=0, help="also list the N largest uncategorised operators")
     args = ap.parse_args()
     model, ids = load_ids(args)
     op_times(model, ids, 2)  # warm up
@@ -92,6 +93,10 @@ def main():
     for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"| {name} | {ms:.1f} |")
     print(f"| operators in all | {sum(parts.values()):.1f} |")
+    if args.show_ops:
+        others = sorted(((ms - base.get(name, 0.0)) / args.steps, name) for name, ms in full.items()
+                        if name not in CATEGORIES)[::-1][:args.show_ops]
+        print("\nlargest other operators (ms per step): " + ", ".join(f"{n} {ms:.2f}" for ms, n in others))
 
 
 if __name__ == "__main__":

@@ -59,24 +59,28 @@ def _packed_forward(module: torch.nn.Linear, packed):
     return forward
 
 
-def _linears(models):
-    seen = {}
+def _linears(models, skip=()):
+    seen, inside_skipped = {}, set()
+    for block in skip:
+        inside_skipped |= {id(m) for m in block.modules()}
     for root in models:
         if root is None:
             continue
         for m in root.modules():
-            if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in PACKABLE:
+            if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in PACKABLE \
+                    and id(m) not in inside_skipped:
                 seen[id(m)] = m
     return list(seen.values())
 
 
 @contextmanager
-def prepacked_linears(*models, enabled: bool = True):
-    """Compute every eligible nn.Linear inside `models` with a prepacked weight in this block."""
+def prepacked_linears(*models, enabled: bool = True, skip=()):
+    """Compute every eligible nn.Linear inside `models` (but not inside the modules `skip`) with a
+    prepacked weight in this block."""
     swapped = []
     try:
         if enabled and available():
-            for module in _linears(models):
+            for module in _linears(models, skip):
                 try:
                     packed = _packed_weight(module)
                 except RuntimeError:  # a shape or type oneDNN does not take: leave the layer alone
@@ -87,3 +91,46 @@ def prepacked_linears(*models, enabled: bool = True):
     finally:
         for module in swapped:
             del module.forward  # the class's own forward again
+
+
+def _compilable(models):
+    """Each model's MLP blocks and normalisation layers: the pointwise-heavy parts that inductor
+    can fuse (attention and the cache stay eager: they depend on the round's row groups)."""
+    seen = {}
+    for root in models:
+        if root is None:
+            continue
+        for m in root.modules():
+            name = type(m).__name__
+            if name.endswith("MLP") or name.endswith("RMSNorm") or isinstance(m, torch.nn.LayerNorm):
+                seen[id(m)] = m
+    return list(seen.values())
+
+
+@contextmanager
+def compiled_blocks(*models, enabled: bool = False, cache_dir=None):
+    """torch.compile (inductor, freezing, dynamic shapes) every MLP block and normalisation layer of
+    `models` for the duration of the block; yields the modules compiled (their linear layers are
+    then inductor's, not prepacked). The compiled code is cached on disk in `cache_dir` (default
+    $SPECBATCH_CACHE/inductor), so a second run does not compile again."""
+    if not enabled:
+        yield []
+        return
+    import os
+
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    from .loading import cache_dir as default_cache_dir
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir or default_cache_dir() / "inductor"))
+    modules = _compilable(models)
+    saved = (inductor_config.freezing, torch._dynamo.config.cache_size_limit)
+    inductor_config.freezing = True  # weights become constants: inductor prepacks them itself
+    torch._dynamo.config.cache_size_limit = max(saved[1], 4 * len(modules))
+    try:
+        for module in modules:
+            module.forward = torch.compile(type(module).forward.__get__(module), dynamic=True)
+        yield modules
+    finally:
+        for module in modules:
+            vars(module).pop("forward", None)
+        inductor_config.freezing, torch._dynamo.config.cache_size_limit = saved

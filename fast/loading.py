@@ -91,11 +91,29 @@ def load_gguf(path: Path, dtype: torch.dtype):
 
 
 def plain_copy(model):
-    """A plain transformers model with the same weights (GGUF-loaded models refuse save_pretrained)."""
-    fresh = type(model)(model.config)
+    """A plain transformers model with the same weights (GGUF-loaded models refuse save_pretrained),
+    and a plain config: without GGUF's quantization_config, which would make transformers attach a
+    GGUF quantizer on reload (in bfloat16 every matmul then casts to float32) and vLLM refuse it."""
+    import copy
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = type(model)(config)
     fresh.load_state_dict(model.state_dict())
     fresh.generation_config = model.generation_config
     return fresh
+
+
+def strip_quantization_config(path: Path) -> None:
+    """Remove a GGUF quantization_config from a converted folder's config.json (folders converted
+    before plain_copy dropped it still carry it)."""
+    import json
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if "quantization_config" in config:
+        del config["quantization_config"]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def load_smollm2(dtype: torch.dtype):
@@ -105,6 +123,7 @@ def load_smollm2(dtype: torch.dtype):
         model, tokenizer = load_gguf(fetch_smollm2(), torch.float32)
         plain_copy(model).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+    strip_quantization_config(folder / "config.json")
     return (AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), AutoTokenizer.from_pretrained(folder))
 
 

@@ -7,7 +7,7 @@ import time
 import torch
 
 from .fast.attention import engine_attention
-from .fast.kernels import prepacked_linears
+from .fast.kernels import compiled_blocks, prepacked_linears
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
@@ -48,7 +48,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
              draft_tokenizer=None, check_invariants: bool = False, trace=None, progress: bool = False,
              pool_window: int | None = None, max_wait: int = 4, on_result=None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed=0,
-             sampling: str = "rejection", arrivals=None, request_ids=None, prepack: bool = True) -> GenerationResult:
+             sampling: str = "rejection", arrivals=None, request_ids=None, prepack: bool = True,
+             compile: bool = False) -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
     Greedy output equals target-only greedy decoding token for token (proofs_notes/).
@@ -70,7 +71,9 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     shards pass global ids so that sharding cannot change sampled outputs.
     on_result: called as on_result(request, tokens, stop_reason, rounds) when a request finishes.
     prepack: on CPU, compute float32/bfloat16 linear layers with oneDNN-prepacked weights (fast.kernels;
-    a second copy of those weights is kept on the modules); False: transformers' own layers.
+    a second copy of those weights is kept beside the modules); False: transformers' own layers.
+    compile: torch.compile (inductor) the MLP blocks and normalisation layers, compiled code cached
+    on disk (fast.kernels.compiled_blocks). Measured on the 2-core CPU: slower than prepack (README).
     """
     if strategy not in STRATEGIES + BROKEN:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
@@ -162,7 +165,9 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     run = {"eqspec": eqspec.run, "ragged": ragged.run, "bsp-like": broken.run_bsp_like,
            "dsd-like": broken.run_dsd_like,
            "exspec": functools.partial(exspec.run, pool_window=pool_window, max_wait=max_wait)}[strategy]
-    with torch.inference_mode(), engine_attention(target, draft), prepacked_linears(target, draft, enabled=prepack):
+    with torch.inference_mode(), engine_attention(target, draft), \
+            compiled_blocks(target, draft, enabled=compile) as compiled, \
+            prepacked_linears(target, draft, enabled=prepack, skip=compiled):
         run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
     stats.time_total = time.perf_counter() - start
     if bar is not None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .cli import engine_options
+
 SPEC_METHODS = ("eqspec", "exspec", "ragged")
 BROKEN_METHODS = ("bsp-like", "dsd-like")  # deliberately broken variants: the correctness table
 BATCH_ONE = ("spec1", "hf-assisted")
@@ -60,10 +62,11 @@ def run_method(method, batch, target, draft, ids, args, eos_ids):
     import specbatch
     if method == "hf-assisted":
         return hf_assisted(target, draft, ids, args.max_new_tokens, args.num_draft_tokens, eos_ids)
-    strategy = method if method in SPEC_METHODS + BROKEN_METHODS else "eqspec"
+    # ar: target-only decoding through the ragged engine, the same forward path and options as every method
+    strategy = method if method in SPEC_METHODS + BROKEN_METHODS else ("ragged" if method == "ar" else "eqspec")
     result = specbatch.generate(target, None if method == "ar" else draft, ids, max_new_tokens=args.max_new_tokens,
                                 num_draft_tokens=args.num_draft_tokens, batch_size=1 if method == "spec1" else batch,
-                                strategy=strategy, progress=True)
+                                strategy=strategy, progress=True, **engine_options(args))
     return result.sequences, result.stats
 
 
@@ -136,6 +139,59 @@ def first_per_category(categories: list[str], count: int) -> list[int]:
     return chosen
 
 
+def read_peer(path, ident_order, UserError) -> tuple[dict, list]:
+    """Another engine's results (benchmarks/peer_vllm.py writes them): a header line with `seconds`
+    (its generate call's wall time) and optional `label`, then {"id", "token_ids"} per request.
+    Returns (header, token ids per prompt in `ident_order`, None where the file has no such id)."""
+    try:
+        lines = [json.loads(line) for line in Path(path).read_text(encoding="utf-8-sig").split("\n") if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"--compare {path}: cannot read it ({e})") from None
+    if not lines or not isinstance(lines[0], dict) or not isinstance(lines[0].get("seconds"), (int, float)):
+        raise UserError(f"--compare {path}: the first line must be a header with the engine's 'seconds'")
+    by_id = {}
+    for n, rec in enumerate(lines[1:], 2):
+        if not isinstance(rec, dict) or "id" not in rec or not isinstance(rec.get("token_ids"), list):
+            raise UserError(f"--compare {path}:{n}: expected {{\"id\": ..., \"token_ids\": [...]}}")
+        by_id[str(rec["id"])] = [int(t) for t in rec["token_ids"]]
+    return lines[0], [by_id.get(ident) for ident in ident_order]
+
+
+def peer_rows(peers, reference) -> list[dict]:
+    """Table rows of other engines: peers is [(path, header, sequences)] from read_peer."""
+    rows = []
+    for path, header, sequences in peers:
+        generated = sum(len(s) for s in sequences if s is not None)
+        missing = sum(s is None for s in sequences)
+        rows.append(dict(method=str(header.get("label") or header.get("engine") or path), file=str(path),
+                         tokens_per_second=generated / header["seconds"] if header["seconds"] else float("nan"),
+                         seconds=header["seconds"], generated_tokens=generated, missing=missing,
+                         exact=f"{sum(s == r for s, r in zip(sequences, reference))}/{len(reference)}",
+                         header=header))
+    return rows
+
+
+def peer_table(rows, ours) -> str:
+    """Other engines beside the fastest specbatch row of each kind (target-only, speculative)."""
+    best_ar = max((r for r in ours if r["method"] == "ar"), key=lambda r: r["tokens_per_second"], default=None)
+    best_spec = max((r for r in ours if r["method"] not in ("ar",) + BROKEN_METHODS + ("hf-assisted",)),
+                    key=lambda r: r["tokens_per_second"], default=None)
+    lines = ["Other engines on the same prompts (their own wall time of one generate call, all requests at once):", "",
+             "| engine | tokens/s | specbatch best ar (batch) | ratio | specbatch best speculative (batch) | ratio | "
+             "exact match vs specbatch reference |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for best in (best_ar, best_spec):
+            if best is None:
+                cells += ["-", "-"]
+            else:
+                cells += [f"{best['tokens_per_second']:.1f} ({best['method']}, {best['batch']})",
+                          f"{best['tokens_per_second'] / r['tokens_per_second']:.2f}x"]
+        note = f" ({r['missing']} ids missing)" if r["missing"] else ""
+        lines.append(f"| {r['method']} | {r['tokens_per_second']:.1f} | {' | '.join(cells)} | {r['exact']}{note} |")
+    return "\n".join(lines)
+
+
 def arrival_bench(target, draft, ids, args, batch: int, methods) -> list[dict]:
     """Poisson arrivals (rate --arrival-rate, seed 0): request latency percentiles and throughput."""
     import numpy as np
@@ -148,8 +204,8 @@ def arrival_bench(target, draft, ids, args, batch: int, methods) -> list[dict]:
         print(f"[arrivals] {method} batch {batch}", file=sys.stderr)
         result = specbatch.generate(target, None if method == "ar" else draft, ids, max_new_tokens=args.max_new_tokens,
                                     num_draft_tokens=args.num_draft_tokens, batch_size=batch,
-                                    strategy="eqspec" if method == "ar" else method, arrivals=list(arrivals),
-                                    progress=True)
+                                    strategy="ragged" if method == "ar" else method, arrivals=list(arrivals),
+                                    progress=True, **engine_options(args))
         latency = np.array([r["latency"] for r in result.request_stats])
         rows.append(dict(method=method, batch=batch, p50=float(np.percentile(latency, 50)),
                          p90=float(np.percentile(latency, 90)), p99=float(np.percentile(latency, 99)),
@@ -176,6 +232,7 @@ def run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError) -> i
     if args.per_category:
         prompts = [prompts[i] for i in first_per_category(prompt_categories(args.prompts), args.per_category)]
     prompts = prompts[:args.limit]
+    peer_data = [(path, *read_peer(path, [ident for ident, _ in prompts], UserError)) for path in args.compare or []]
     target, draft, tokenizer = load_pair(args)
     if draft is None and any(m != "ar" for m in methods):
         raise UserError("speculative methods need --draft")
@@ -188,7 +245,7 @@ def run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError) -> i
     if "ar" not in methods or 1 not in args.batch_sizes:
         print(f"reference: target-only greedy at batch 1 on {len(ids)} prompts", file=sys.stderr)
         reference = specbatch.generate(target, None, ids, max_new_tokens=args.max_new_tokens, batch_size=1,
-                                       progress=True).sequences
+                                       strategy="ragged", progress=True, **engine_options(args)).sequences
     order = sorted(args.batch_sizes, key=lambda b: b != 1)  # batch 1 first: its "ar" run is the reference
     for repeat in range(args.repeats):
         for batch in order:
@@ -228,9 +285,12 @@ def run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError) -> i
                  max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, repeats=args.repeats,
                  command=" ".join(sys.argv))
     latency_rows = arrival_bench(target, draft, ids, args, max(args.batch_sizes), methods) if args.arrival_rate else []
+    peers = peer_rows(peer_data, reference)
     (out_dir / "bench.json").write_text(json.dumps(dict(machine=machine, setup=setup, rows=rows,
-                                                        arrivals=latency_rows), indent=1))
+                                                        arrivals=latency_rows, peers=peers), indent=1))
     table = markdown_table(rows)
+    if peers:
+        table += "\n\n" + peer_table(peers, rows)
     if latency_rows:
         table += "\n\n" + arrival_table(latency_rows, args.arrival_rate)
     (out_dir / "bench.md").write_text(f"Machine: {machine}\n\nSetup: {setup}\n\n{table}\n")

@@ -84,12 +84,17 @@ def sampling_kwargs(args) -> dict:
     return kw
 
 
+def engine_options(args) -> dict:
+    """Options of the forward path, the same for a method and its target-only baseline."""
+    return dict(prepack=not getattr(args, "no_prepack", False), compile=getattr(args, "compile", False))
+
+
 def run_generate(target, draft, ids, args, **extra):
     import specbatch
     try:
         return specbatch.generate(target, draft, ids, max_new_tokens=args.max_new_tokens,
                                   num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
-                                  strategy=args.strategy, **sampling_kwargs(args), **extra)
+                                  strategy=args.strategy, **sampling_kwargs(args), **engine_options(args), **extra)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -175,25 +180,22 @@ def cmd_verify(args) -> int:
         raise UserError("verify checks greedy decoding; drop --temperature")
     print(f"reference: target-only greedy decoding at batch 1 on {len(ids)} prompts", file=sys.stderr)
     reference = specbatch.generate(target, None, ids, max_new_tokens=args.max_new_tokens, batch_size=1,
-                                   progress=True)
+                                   progress=True, **engine_options(args))
     print(f"candidate: {args.strategy}, batch {args.batch_size}, k = {args.num_draft_tokens}", file=sys.stderr)
     candidate = run_generate(target, draft, ids, args, progress=True, check_invariants=args.check_invariants)
-    tolerance = args.tie_tolerance if args.tie_tolerance is not None else default_tolerance(args.dtype)
-    reports = compare(target, ids, candidate.sequences, reference.sequences, tolerance)
+    reports = compare(target, ids, candidate.sequences, reference.sequences, tolerance=args.tie_tolerance,
+                      ulps=args.tie_ulps)
     exact = sum(r["exact"] for r in reports)
     errors = [r for r in reports if not r["exact"] and r["kind"] == "error"]
     print(f"exact match: {exact}/{len(reports)} ({100 * exact / len(reports):.1f}%); "
           f"mean accepted length {candidate.stats['mean_accepted_length']:.2f}")
     for r in reports:
         if not r["exact"]:
+            verdict = "floating-point tie" if r["kind"] == "tie" else "ALGORITHMIC ERROR"
             print(f"  request {prompts[r['request']][0]}: first divergence at new token {r['index']}, reference "
-                  f"top-2 margin {r['margin']:.3g} -> {'floating-point tie' if r['kind'] == 'tie' else 'ALGORITHMIC ERROR'}"
-                  f" (tolerance {tolerance:g})")
+                  f"top-2 margin {r['margin']:.3g} ({r['margin_ulps']:.1f} ulps of {args.dtype} at the top logit) -> "
+                  f"{verdict} (tie threshold {r['threshold']:.3g})")
     return 1 if errors else 0
-
-
-def default_tolerance(dtype: str) -> float:
-    return {"float64": 1e-6, "float32": 1e-3}.get(dtype, 5e-2)
 
 
 def cmd_check_trace(args) -> int:
@@ -232,6 +234,10 @@ def add_model_args(p, draft_default=None):
                    "in front of a draft model (e.g. smollm2-draft+lookup)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--no-prepack", action="store_true", help="use transformers' own linear layers instead of "
+                   "oneDNN-prepacked weights (CPU, float32/bfloat16)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the MLP blocks and norms (inductor; "
+                   "compiled code cached under the specbatch cache folder); slower on the 2-core CPU, see README")
 
 
 def add_decoding_args(p):
@@ -265,9 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="prove equivalence: compare a strategy with target-only greedy decoding")
     add_model_args(p)
     add_decoding_args(p)
+    p.add_argument("--tie-ulps", type=float, default=None,
+                   help="a divergence is a floating-point tie when the reference's top-2 logit margin is at most "
+                        "this many ulps of the dtype at the top logit (default: 4096 float64, 512 float32, "
+                        "4 bfloat16/float16)")
     p.add_argument("--tie-tolerance", type=float, default=None,
-                   help="top-2 logit margin below which a divergence is a floating-point tie "
-                        "(default: 1e-6 float64, 1e-3 float32, 5e-2 half precision)")
+                   help="an absolute top-2 margin to use instead of --tie-ulps")
     p.add_argument("--check-invariants", action="store_true", help="also check I1-I6 every round")
     p.set_defaults(run=cmd_verify)
 
@@ -287,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", action="store_true")
     p.add_argument("--arrival-rate", type=float, default=None,
                    help="also run the Poisson-arrival latency benchmark at this many requests/s")
+    p.add_argument("--compare", action="append", metavar="FILE",
+                   help="another engine's results on the same prompts, with its timing (benchmarks/peer_vllm.py "
+                        "writes them): shown beside specbatch's rows with its exact match; repeatable")
     p.add_argument("--out-dir", default="bench_out")
     p.set_defaults(run=cmd_bench)
 

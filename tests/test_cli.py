@@ -153,6 +153,31 @@ def test_bench_writes_table_json_and_plots(folders, prompt_file, tmp_path):
     assert (out / "throughput.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
 
 
+def test_bench_compares_another_engines_results(folders, prompt_file, tmp_path, capsys):
+    """--compare: another engine's tokens/s (its own timing) and its exact match against the reference."""
+    want = expected(folders)
+    peer = tmp_path / "peer.jsonl"
+    lines = [json.dumps({"engine": "fake 1.0", "label": "fake engine", "seconds": 2.0})]
+    for i, tokens in enumerate(want):
+        wrong = (tokens[:1] + [(tokens[1] + 1) % VOCAB] + tokens[2:]) if i == 2 else tokens
+        lines.append(json.dumps({"id": f"q{i}", "token_ids": wrong}))
+    peer.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", folders["target"], "--prompts", str(prompt_file), "--dtype", "float64",
+                 "--max-new-tokens", "10", "--batch-sizes", "1", "--methods", "ar", "--compare", str(peer),
+                 "--out-dir", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    [row] = data["peers"]
+    assert row["exact"] == f"{len(PROMPTS) - 1}/{len(PROMPTS)}"
+    assert row["tokens_per_second"] == pytest.approx(sum(len(t) for t in want) / 2.0)
+    assert "| fake engine |" in (out / "bench.md").read_text()
+    bad = tmp_path / "bad_peer.jsonl"
+    bad.write_text(json.dumps({"id": "q0", "token_ids": [1]}) + "\n")
+    code = main(["bench", "--target", folders["target"], "--prompts", str(prompt_file), "--methods", "ar",
+                 "--compare", str(bad), "--out-dir", str(out)])
+    assert code == 2 and "header with the engine's 'seconds'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda f, p, t: ["--target", str(t / "nope"), "--prompts", str(p)], "no such model folder or file"),
     (lambda f, p, t: ["--target", f["target"], "--prompts", str(t / "missing.jsonl")], "no such prompt file"),

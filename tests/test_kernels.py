@@ -89,3 +89,15 @@ def test_a_prepacked_layer_that_drops_its_bias_is_caught(monkeypatch):
     result = specbatch.generate(target, None, PROMPTS, max_new_tokens=12, batch_size=3, strategy="ragged")
     reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
     assert any(not r["exact"] and r["kind"] == "error" for r in reports)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_give_the_same_tokens():
+    """compile=True (inductor on the MLP blocks and norms) runs the same decoding."""
+    target = tiny("llama", dtype=torch.float32)
+    plain = specbatch.generate(target, None, PROMPTS, max_new_tokens=8, batch_size=3, strategy="ragged")
+    compiled = specbatch.generate(target, None, PROMPTS, max_new_tokens=8, batch_size=3, strategy="ragged",
+                                  compile=True)
+    reports = compare(target, PROMPTS, compiled.sequences, plain.sequences, tolerance=1e-3)
+    assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
+    assert "forward" not in vars(target.model.layers[0].mlp)  # restored afterwards

@@ -68,3 +68,23 @@ def test_folder_round_trip_and_truncated_draft(tmp_path):
     draft = truncated_draft(loaded, 1)
     assert draft.config.num_hidden_layers == 1
     assert torch.equal(draft.model.embed_tokens.weight, loaded.model.embed_tokens.weight)
+
+
+def test_converted_folders_keep_no_gguf_quantization_config(tmp_path):
+    """A GGUF-loaded model carries quantization_config; the saved copy must not (transformers would
+    attach a GGUF quantizer on reload, vLLM refuses the folder), and old folders are cleaned."""
+    import copy
+    import json
+
+    from specbatch.fast.loading import plain_copy, strip_quantization_config
+    model = copy.deepcopy(tiny("llama", dtype=torch.float32))
+    model.config.quantization_config = {"quant_method": "gguf", "gguf_file": "x.gguf"}
+    fresh = plain_copy(model)
+    assert not hasattr(fresh.config, "quantization_config")
+    assert hasattr(model.config, "quantization_config")  # the original is untouched
+    fresh.save_pretrained(tmp_path / "plain")
+    assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "gguf"}}))
+    strip_quantization_config(old)
+    assert json.loads(old.read_text()) == {"model_type": "llama"}

@@ -1,0 +1,48 @@
+"""bfloat16 on CPU: speculative decoding equals target-only decoding through the same forward path in
+the same dtype, up to floating-point ties counted in bfloat16 ulps; the tie rule scales with the
+logits' magnitude."""
+import numpy as np
+import pytest
+import torch
+
+import specbatch
+from hf_models import EOS, VOCAB, tiny
+from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.equivalence import TIE_ULPS, compare, ulp
+from specbatch.reference import deviate_hashed
+
+RNG = np.random.default_rng(8)
+PROMPTS = [RNG.integers(0, VOCAB, n).tolist() for n in (1, 25, 6, 70, 3, 12)]
+
+
+def test_ulp_scales_with_the_magnitude():
+    assert ulp(20.0, torch.bfloat16) == 0.125  # 16 <= 20 < 32: 2^4 x 2^-7
+    assert ulp(-20.0, torch.bfloat16) == 0.125
+    assert ulp(0.3, torch.bfloat16) == torch.finfo(torch.bfloat16).eps  # below 1: the spacing at 1
+    assert ulp(20.0, torch.float32) == 2.0 ** -19
+    assert ulp(1000.0, torch.float32) == 2.0 ** -14
+
+
+@pytest.mark.parametrize("strategy", ["ragged", "eqspec", "exspec"])
+def test_bfloat16_speculative_equals_target_only_up_to_bfloat16_ties(strategy):
+    target = tiny("llama", dtype=torch.bfloat16)
+    reference = specbatch.generate(target, None, PROMPTS, max_new_tokens=10, batch_size=1, strategy="ragged")
+    result = specbatch.generate(target, ScriptedDraft(target, deviate_hashed(4, 0.3)), PROMPTS, max_new_tokens=10,
+                                num_draft_tokens=3, batch_size=4, strategy=strategy, eos_token_id=[EOS])
+    reports = compare(target, PROMPTS, result.sequences, reference.sequences)
+    assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
+    assert sum(r["exact"] for r in reports) >= len(PROMPTS) - 2
+
+
+def test_an_algorithmic_divergence_in_bfloat16_is_not_called_a_tie():
+    """A wrong continuation (the reference with one token replaced by a far-from-top token) is an error."""
+    target = tiny("llama", dtype=torch.bfloat16)
+    reference = specbatch.generate(target, None, PROMPTS, max_new_tokens=8, batch_size=1, strategy="ragged")
+    broken = [list(s) for s in reference.sequences]
+    with torch.inference_mode():
+        logits = target(torch.tensor([PROMPTS[1] + broken[1][:3]])).logits[0, -1].float()
+    broken[1][3] = int(logits.argmin())  # the least likely token: a margin of many ulps
+    reports = compare(target, PROMPTS, broken, reference.sequences)
+    assert reports[1]["exact"] is False and reports[1]["index"] == 3 and reports[1]["kind"] == "error"
+    assert reports[1]["gap_ulps"] > TIE_ULPS[torch.bfloat16] >= 0
+    assert all(r["exact"] for i, r in enumerate(reports) if i != 1)
