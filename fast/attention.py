@@ -109,7 +109,13 @@ def forward_plan(kv_lens, device):
 
 
 def plain_attention(query, key, value, mask, scaling):
-    """softmax(q k^T * scaling + mask) v for q [B, H, Q, D], k/v [B, Hkv, S, D], mask [B, 1, Q, S]."""
+    """softmax(q k^T * scaling + mask) v for q [B, H, Q, D], k/v [B, Hkv, S, D], mask [B, 1, Q, S].
+
+    Keys and values may be stored in a wider dtype than the queries (a float32 cache for a bfloat16
+    model): the product is then computed in the cache's dtype and returned in the query's."""
+    out_dtype = query.dtype
+    if key.dtype != query.dtype:
+        query = query.to(key.dtype)
     batch, heads, queries, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -121,7 +127,7 @@ def plain_attention(query, key, value, mask, scaling):
     if mask is not None:
         scores = scores + mask[:, :, None].to(scores.dtype)
     probs = scores.softmax(dim=-1).to(value.dtype).view(batch, kv_heads, group * queries, slots)
-    return torch.matmul(probs, value).view(batch, heads, queries, value.shape[-1])
+    return torch.matmul(probs, value).view(batch, heads, queries, value.shape[-1]).to(out_dtype)
 
 
 def grouped_attention(query, key, value, mask, scaling):
@@ -162,6 +168,14 @@ def specbatch_attention(module, query, key, value, attention_mask, dropout: floa
     else:
         out = grouped_attention(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def uses_engine_attention(module) -> bool:
+    """Whether every Hugging Face model inside `module` routes its attention through
+    AttentionInterface (and so through specbatch_attention under engine_attention)."""
+    from transformers import PreTrainedModel
+    models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    return bool(models) and all(m._can_set_attn_implementation() for m in models)
 
 
 def register() -> None:

@@ -32,8 +32,9 @@ class SlotLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         slots, capacity = self.owner.slots, self.owner.capacity + 1  # + the trash slot
         heads = key_states.shape[1]
-        self.keys = key_states.new_zeros(slots, heads, capacity, key_states.shape[-1])
-        self.values = value_states.new_zeros(slots, heads, capacity, value_states.shape[-1])
+        dtype = self.owner.storage_dtype or key_states.dtype
+        self.keys = key_states.new_zeros(slots, heads, capacity, key_states.shape[-1], dtype=dtype)
+        self.values = value_states.new_zeros(slots, heads, capacity, value_states.shape[-1], dtype=dtype)
         self.is_initialized = True
 
     def _flat_index(self, row_of_query: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -47,9 +48,10 @@ class SlotLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
         flat = self._flat_index(owner.row_of_query, owner.write_slot)
-        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(
+            0, flat, key_states.reshape(-1, key_states.shape[-1]).to(self.keys.dtype))
         self.values.view(-1, self.values.shape[-1]).index_copy_(
-            0, flat, value_states.reshape(-1, value_states.shape[-1]))
+            0, flat, value_states.reshape(-1, value_states.shape[-1]).to(self.values.dtype))
         if owner.packed:  # a fresh pack of prompts sees only itself
             return key_states, value_states
         return self.keys[:owner.rows, :, :owner.kv_len], self.values[:owner.rows, :, :owner.kv_len]
@@ -67,8 +69,10 @@ class SlotLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """`slots` buffer rows of `capacity` positions for every layer of one model."""
 
-    def __init__(self, num_layers: int, slots: int, capacity: int, device):
-        self.slots, self.capacity, self.device = slots, capacity, device
+    def __init__(self, num_layers: int, slots: int, capacity: int, device, storage_dtype=None):
+        """storage_dtype: keep K/V in this dtype (None: the model's). A bfloat16 model on a CPU keeps
+        them in float32 (exact widening), where attention's small products run much faster."""
+        self.slots, self.capacity, self.device, self.storage_dtype = slots, capacity, device, storage_dtype
         self.rows, self.packed = slots, False
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 

@@ -31,6 +31,14 @@ def ragged_inputs(query_index: torch.Tensor, kv_len: int, window: int | None, dt
     return query_index.clamp(min=0), mask[:, None]
 
 
+def storage_dtype(runner, settings: Settings):
+    """float32 K/V for a half-precision model on a CPU whose attention is ours (the small attention
+    products are several times faster in float32 there); otherwise the model's own dtype."""
+    from ..attention import uses_engine_attention
+    half = settings.dtype in (torch.bfloat16, torch.float16) and settings.device.type == "cpu"
+    return torch.float32 if half and uses_engine_attention(runner.model) else None
+
+
 class RaggedEngine:
     def __init__(self, target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, slots: int):
         self.target, self.draft, self.settings, self.stats, self.clock = target, draft, settings, stats, clock
@@ -45,9 +53,8 @@ class RaggedEngine:
         self.budget_end = np.zeros(slots, dtype=np.int64)
         self.draft_pending = np.ones(slots, dtype=np.int64)
         self.rounds = np.zeros(slots, dtype=np.int64)  # rounds the slot's request has run
-        self.caches = {"target": SlotCache(target.num_layers, slots, capacity, dev)}
-        if draft is not None:
-            self.caches["draft"] = SlotCache(draft.num_layers, slots, capacity, dev)
+        self.caches = {name: SlotCache(runner.num_layers, slots, capacity, dev, storage_dtype(runner, settings))
+                       for name, runner in (("target", target), ("draft", draft)) if runner is not None}
         self.queue = SlotQueue(slots)
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
 
