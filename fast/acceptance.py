@@ -32,20 +32,23 @@ class UnpaddedRow:
         self.cached = length
 
 
-def simulate_rounds(draft, prompt: list[int], answer: list[int], k: int) -> tuple[int, int]:
+def simulate_rounds(draft, prompt: list[int], answer: list[int], k: int, threshold: float = 0.0) -> tuple[int, int]:
     """(tokens, rounds) of greedy speculative decoding of `prompt` when the target's greedy answer is
-    known: the draft proposes from the true prefix, leading matches are accepted, one target token
-    follows; only the draft runs (batch 1, its cache cropped after each round). As in the engine, the
-    first round drafts right after the prompt, and a round drafts at most remaining - 1 tokens."""
+    known: the draft proposes from the true prefix (while its confidence is >= threshold: the
+    proposal rule of fast.proposals without the cost controller), leading matches are accepted, one
+    target token follows; only the draft runs (batch 1, its cache cropped after each round). As in
+    the engine, the first round drafts right after the prompt, and a round drafts at most
+    remaining - 1 tokens."""
+    from .sampling import mode_probability
     row, sequence = UnpaddedRow(draft), list(prompt) + list(answer)
     committed = rounds = 0
     while committed < len(answer):
         limit = min(k, len(answer) - committed - 1)
         proposals = []
-        if limit > 0:
-            proposals.append(int(row.feed(sequence[row.cached:len(prompt) + committed]).argmax()))
-            while len(proposals) < limit:
-                proposals.append(int(row.feed([proposals[-1]]).argmax()))
+        logits = row.feed(sequence[row.cached:len(prompt) + committed]) if limit > 0 else None
+        while logits is not None and len(proposals) < limit and float(mode_probability(logits)) >= threshold:
+            proposals.append(int(logits.argmax()))
+            logits = row.feed([proposals[-1]]) if len(proposals) < limit else None
         accepted = 0
         while accepted < len(proposals) and proposals[accepted] == answer[committed + accepted]:
             accepted += 1

@@ -84,19 +84,69 @@ def plan_parts(groups: list[tuple[np.ndarray, int]]) -> list[tuple[object, int]]
     return parts
 
 
+class FlatPart:
+    """Rows of a flat forward (fast.strategies.ragged's verify: every row's query tokens laid end to
+    end in one sequence, no padding) that attend together: their key rows, the number of slots they
+    read, and where their queries sit in the flat sequence.
+
+    tokens [n, Qmax]: flat index of query j of each row (short rows repeat their last query);
+    query_index [n, Qmax]: its content index (-1 on the repeats); mask [n, 1, Qmax, length]: the
+    additive mask (query j of a row sees slots 0..query_index, I4; repeats see nothing);
+    cells / targets: the valid (row, j) cells of tokens.view(-1) and the flat positions they fill."""
+
+    def __init__(self, rows, length, tokens, query_index, mask, cells, targets):
+        self.rows, self.length, self.tokens, self.query_index = rows, length, tokens, query_index
+        self.mask, self.cells, self.targets = mask, cells, targets
+
+
+def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None, dtype, fill: float,
+              device) -> list[FlatPart]:
+    """The parts of a flat forward whose query t belongs to row token_row[t] (rows 0..R-1, each row's
+    queries consecutive and in order) at content index token_index[t]."""
+    token_row, token_index = np.asarray(token_row), np.asarray(token_index)
+    rows = int(token_row.max()) + 1
+    start = np.searchsorted(token_row, np.arange(rows))
+    count = np.bincount(token_row, minlength=rows)
+    visible = np.zeros(rows, dtype=np.int64)
+    np.maximum.at(visible, token_row, token_index + 1)
+    parts = []
+    for members, length in plan_parts(plan_groups(visible)):
+        index = np.arange(rows)[members]
+        width = int(count[index].max())
+        j = np.arange(width)[None, :]
+        real = j < count[index][:, None]
+        tokens = start[index][:, None] + np.minimum(j, count[index][:, None] - 1)
+        query = np.where(real, token_index[tokens], -1)
+        slot = np.arange(length)[None, None, :]
+        seen = (slot <= query[:, :, None]) & real[:, :, None]
+        if window is not None:
+            seen &= slot > query[:, :, None] - window
+        mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(torch.as_tensor(~seen), fill)[:, None]
+        cells = np.nonzero(real.reshape(-1))[0]
+        parts.append(FlatPart(members if isinstance(members, slice) else torch.as_tensor(members, device=device),
+                              int(length), torch.as_tensor(tokens.reshape(-1), device=device), query,
+                              mask.to(device), torch.as_tensor(cells, device=device),
+                              torch.as_tensor(tokens.reshape(-1)[cells], device=device)))
+    return parts
+
+
 class Plan:
-    """The parts of the forward about to run (set by ModelRunner, read by every layer): each a
-    slice of rows or a row index tensor, with the number of slots its rows read."""
+    """What the forward about to run needs beyond its tensors (set by ModelRunner, read by every
+    layer): `parts`, row groups by visible length (each a slice of rows or a row index tensor, with
+    the number of slots its rows read), or `flat`, the FlatParts of a flat forward."""
 
     parts: list | None = None
+    flat: list | None = None
 
 
 PLAN = Plan()
 
 
 @contextmanager
-def forward_plan(kv_lens, device):
-    """Group the rows of the next forward by their visible lengths (host array, or None)."""
+def forward_plan(kv_lens=None, device=None, flat=None):
+    """Group the rows of the next forward by their visible lengths (host array, or None), or give
+    the parts of a flat forward."""
+    PLAN.flat = flat
     if kv_lens is None:
         PLAN.parts = None
     else:
@@ -105,10 +155,10 @@ def forward_plan(kv_lens, device):
     try:
         yield
     finally:
-        PLAN.parts = None
+        PLAN.parts, PLAN.flat = None, None
 
 
-def plain_attention(query, key, value, mask, scaling):
+def plain_attention(query, key, value, mask, scaling, softcap=None):
     """softmax(q k^T * scaling + mask) v for q [B, H, Q, D], k/v [B, Hkv, S, D], mask [B, 1, Q, S].
 
     Keys and values may be stored in a wider dtype than the queries (a float32 cache for a bfloat16
@@ -124,58 +174,88 @@ def plain_attention(query, key, value, mask, scaling):
     low = scores.dtype in (torch.float16, torch.bfloat16)
     scores = scores.float() if low else scores
     scores = scores * scaling
+    if softcap is not None:  # Gemma 2 style: scores squashed to (-softcap, softcap) before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask[:, :, None].to(scores.dtype)
     probs = scores.softmax(dim=-1).to(value.dtype).view(batch, kv_heads, group * queries, slots)
     return torch.matmul(probs, value).view(batch, heads, queries, value.shape[-1]).to(out_dtype)
 
 
-def grouped_attention(query, key, value, mask, scaling):
+def rows_of(tensor, rows, length):
+    """tensor[rows, :, :length] for a slice (a view) or a row index tensor (a copy)."""
+    if isinstance(rows, slice):
+        return tensor[rows, :, :length]
+    return tensor[:, :, :length].index_select(0, rows)
+
+
+def grouped_attention(query, key, value, mask, scaling, softcap=None):
     """plain_attention per part of the rows, each reading only its own first `length` slots."""
     parts = PLAN.parts or [(slice(0, query.shape[0]), key.shape[2])]
     if len(parts) == 1 and isinstance(parts[0][0], slice):
         length = parts[0][1]
         return plain_attention(query, key[:, :, :length], value[:, :, :length],
-                               None if mask is None else mask[..., :length], scaling)
+                               None if mask is None else mask[..., :length], scaling, softcap)
     out = query.new_empty(query.shape[:3] + (value.shape[-1],))
     for rows, length in parts:
-        if isinstance(rows, slice):  # consecutive rows: views, nothing copied
-            out[rows] = plain_attention(query[rows], key[rows, :, :length], value[rows, :, :length],
-                                        None if mask is None else mask[rows, ..., :length], scaling)
+        part = plain_attention(rows_of(query, rows, None), rows_of(key, rows, length), rows_of(value, rows, length),
+                               None if mask is None else rows_of(mask, rows, None)[..., :length], scaling, softcap)
+        if isinstance(rows, slice):
+            out[rows] = part
         else:
-            out.index_copy_(0, rows, plain_attention(
-                query.index_select(0, rows), key[:, :, :length].index_select(0, rows),
-                value[:, :, :length].index_select(0, rows),
-                None if mask is None else mask[..., :length].index_select(0, rows), scaling))
+            out.index_copy_(0, rows, part)
+    return out
+
+
+def flat_attention(query, key, value, scaling, softcap=None):
+    """Attention of a flat forward: query [1, H, T, D] holds every row's queries end to end, key and
+    value [R, Hkv, S, D] are the rows' caches; each FlatPart gathers its rows' queries into
+    [n, H, Qmax, D], attends over its rows' first `length` slots with its own mask, and puts the
+    results back at the queries' flat positions."""
+    heads, dim = query.shape[1], value.shape[-1]
+    out = query.new_empty(1, heads, query.shape[2], dim)
+    flat_q = query[0]  # [H, T, D]
+    for part in PLAN.flat:
+        n, width = part.mask.shape[0], part.mask.shape[2]
+        q = flat_q.index_select(1, part.tokens).view(heads, n, width, query.shape[-1]).transpose(0, 1)
+        o = plain_attention(q, rows_of(key, part.rows, part.length), rows_of(value, part.rows, part.length),
+                            part.mask, scaling, softcap)  # [n, H, Qmax, D]
+        o = o.transpose(0, 1).reshape(heads, n * width, dim).index_select(1, part.cells)
+        out[0].index_copy_(1, part.targets, o)
     return out
 
 
 def specbatch_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                         **kwargs):
     """An AttentionInterface function: returns (output [B, Q, H, D], None)."""
-    unsupported = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None \
-        or kwargs.get("position_bias") is not None or dropout
-    if unsupported or key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+    softcap = kwargs.get("softcap")
+    unsupported = kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None or dropout \
+        or key.shape[1] == 0 or query.shape[1] % key.shape[1]
+    if unsupported:
+        if PLAN.flat is not None:
+            raise RuntimeError(f"{type(module).__name__} needs attention features the flat forward does not have")
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if query.shape[2] >= SDPA_MIN_QUERIES and query.dtype in (torch.float32, torch.float64):
+    if PLAN.flat is not None:
+        out = flat_attention(query, key, value, scaling, softcap)
+    elif query.shape[2] >= SDPA_MIN_QUERIES and query.dtype in (torch.float32, torch.float64) and softcap is None:
         length = max(length for _, length in PLAN.parts) if PLAN.parts else key.shape[2]
         mask = None if attention_mask is None else attention_mask[..., :length]
         out = F.scaled_dot_product_attention(query, key[:, :, :length], value[:, :, :length], attn_mask=mask,
                                              scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     else:
-        out = grouped_attention(query, key, value, attention_mask, scaling)
+        out = grouped_attention(query, key, value, attention_mask, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
 def uses_engine_attention(module) -> bool:
-    """Whether every Hugging Face model inside `module` routes its attention through
-    AttentionInterface (and so through specbatch_attention under engine_attention)."""
+    """Whether every Hugging Face model inside `module` runs specbatch_attention right now (inside
+    engine_attention, for a model whose code uses AttentionInterface)."""
     from transformers import PreTrainedModel
     models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
-    return bool(models) and all(m._can_set_attn_implementation() for m in models)
+    return bool(models) and all(m.config._attn_implementation == NAME for m in models)
 
 
 def register() -> None:

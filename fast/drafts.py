@@ -12,10 +12,25 @@ from ..reference.drafts import DeviateRule
 from .models import cache_argument
 
 
+def confident_logits(logits: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+    """Logits with the same argmax whose softmax gives that token probability `confidence` [..]
+    (at least 1/V) and spreads the rest evenly: scripted confidences for the proposal rule."""
+    vocab = logits.shape[-1]
+    c = confidence.to(torch.float64).clamp(min=1.0 / vocab, max=1 - 1e-9)
+    rest = torch.log((1 - c) / (vocab - 1))
+    out = rest[..., None].expand(logits.shape).clone()
+    out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), torch.log(c)[..., None])
+    return out.to(logits.dtype)
+
+
 class ScriptedDraft(torch.nn.Module):
-    def __init__(self, base, rule: DeviateRule):
+    """confidence: optional rule(next_index, token) -> probability in [0, 1] of the proposal; the
+    draft's distribution then has exactly that top probability (fast.proposals stops a row below
+    its threshold), so proposal lengths can be scripted too."""
+
+    def __init__(self, base, rule: DeviateRule, confidence=None):
         super().__init__()
-        self.base, self.rule = base, rule
+        self.base, self.rule, self.confidence = base, rule, confidence
         self._cache_kw = cache_argument(base)
 
     @property
@@ -47,5 +62,8 @@ class ScriptedDraft(torch.nn.Module):
             low = torch.finfo(logits.dtype).min
             logits.scatter_(-1, top, torch.where(fire[..., None], torch.full_like(top, 0, dtype=logits.dtype) + low,
                                                  logits.gather(-1, top)))
+        if self.confidence is not None:
+            c = self.confidence((position_ids[:, -q:] + 1).cpu().numpy(), input_ids[:, -q:].cpu().numpy())
+            logits = confident_logits(logits, torch.as_tensor(c, device=logits.device))
         out.logits = logits
         return out

@@ -6,6 +6,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -13,6 +14,7 @@ from ..invariants import (TraceWriter, check_kv, check_mask, check_positions, ch
                           mask_strings, raise_if)
 from .cache import layout_index, rect_inputs
 from .models import ModelRunner
+from .proposals import DraftController, proposal_lengths
 from .sampling import Greedy
 from .verify import committed_lists
 
@@ -60,6 +62,9 @@ class Settings:
     trace: TraceWriter | None = None
     chooser: object = field(default_factory=Greedy)  # fast.sampling: Greedy, Rejection or Coupled
     arrivals: Arrivals | None = None  # when requests become available (None: all at once)
+    threshold: float = 0.0  # fast.proposals: a row stops drafting below this confidence (0: never)
+    controller: DraftController | None = None  # the round's cap (None: k)
+    flat_verify: bool = True  # ragged: verify each row's own proposals in one flat forward
 
     @property
     def eos(self) -> torch.Tensor:
@@ -82,11 +87,11 @@ class Stats:
     draft_tokens_processed: int = 0
     extra: dict = field(default_factory=dict)
 
-    def add_round(self, k: int, accepted, n) -> None:
-        """Account one round: k drafts for each of len(n) rows, their accepted and committed counts."""
+    def add_round(self, proposed, accepted, n) -> None:
+        """Account one round: each row's proposed drafts, accepted drafts and committed tokens."""
         self.rounds += 1
         self.row_rounds += len(n)
-        self.drafted_tokens += k * len(n)
+        self.drafted_tokens += int(np.sum(proposed))
         self.accepted_tokens += int(accepted.sum())
         self.generated_tokens += int(n.sum())
 
@@ -116,6 +121,7 @@ class Clock:
 
     def __init__(self, stats: Stats, device: torch.device):
         self.stats, self.cuda = stats, device.type == "cuda"
+        self.last: dict = {}  # the latest duration of each phase (the proposal controller reads them)
 
     @contextmanager
     def __call__(self, name: str):
@@ -125,7 +131,76 @@ class Clock:
         yield
         if self.cuda:
             torch.cuda.synchronize()
-        setattr(self.stats, name, getattr(self.stats, name) + time.perf_counter() - start)
+        self.last[name] = time.perf_counter() - start
+        setattr(self.stats, name, getattr(self.stats, name) + self.last[name])
+
+
+@dataclass
+class Proposals:
+    """One round's drafting: drafted [R, steps] (tokens of every step run; a row's proposals are its
+    first `proposed` ones, the rest are never accepted), q [R, steps, V] for rejection sampling, the
+    confidences [R, steps] the rule saw, each row's limit min(k, remaining - 1, cap) and the cap."""
+
+    drafted: torch.Tensor
+    q: torch.Tensor | None
+    confidence: torch.Tensor | None
+    proposed: np.ndarray
+    limit: np.ndarray
+    cap: int
+    steps: int
+
+    @property
+    def width(self) -> int:
+        """Verify queries per row: the longest proposal plus the pending token."""
+        return int(self.proposed.max()) + 1 if len(self.proposed) else 1
+
+
+def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, content, device) -> Proposals:
+    """Run the draft step by step and apply the proposal rule (fast.proposals) to each row.
+
+    step_forward(step, ids) -> the draft's logits [R, V] at each row's last query; ids is None at
+    step 0 (the engine feeds each row's pending tokens), then the previous proposals [R, 1].
+    clamp: each row's min(k, remaining - 1). Drafting stops as soon as no row proposes."""
+    cap = settings.controller.cap(requests.tolist(), clamp) if settings.controller else int(clamp.max())
+    limit = np.minimum(clamp, cap)
+    rows = len(clamp)
+    steps, dists, confidences = [], [], []
+    active, proposed = limit > 0, np.zeros(rows, dtype=np.int64)
+    ids = None
+    for step in range(int(limit.max()) if rows else 0):
+        logits = step_forward(step, ids)
+        token, dist, confidence = settings.chooser.draft(logits, requests, content + step)
+        ids = token[:, None]
+        steps.append(ids)
+        dists.append(dist)
+        confidences.append(confidence)
+        active &= step < limit
+        if settings.threshold > 0:  # one small host copy per step: which rows keep proposing
+            active &= (confidence >= settings.threshold).cpu().numpy()
+        proposed += active
+        if not active.any():
+            break
+    drafted = torch.cat(steps, dim=1) if steps else torch.zeros(rows, 0, dtype=torch.long, device=device)
+    q = torch.stack(dists, dim=1) if steps and settings.chooser.needs_q else None
+    confidence = torch.stack(confidences, dim=1) if steps else None
+    return Proposals(drafted, q, confidence, proposed, limit, cap, len(steps))
+
+
+def record_round(settings: Settings, clock, requests, proposals: Proposals, accepted, verify_tokens: int) -> None:
+    """Tell the controller (if any) what the round proposed, accepted and cost."""
+    if settings.controller is None:
+        return
+    settings.controller.record(requests, proposals.proposed, accepted, proposals.proposed >= proposals.limit,
+                               len(proposals.proposed), proposals.steps, clock.last.get("time_draft", 0.0),
+                               verify_tokens, clock.last.get("time_verify", 0.0))
+
+
+def check_proposals(settings: Settings, proposals: Proposals) -> list:
+    """I7: every row's proposal length is the rule's, from its own confidences and limit."""
+    from ..invariants import check_proposal_lengths
+    confidence = (proposals.confidence.float().cpu().numpy() if proposals.confidence is not None
+                  else np.zeros((len(proposals.limit), 0)))
+    return check_proposal_lengths(proposals.proposed, confidence, proposals.limit, settings.threshold)
 
 
 def check_rect_forward(pad_len: torch.Tensor, first_col: int, position_ids, mask, window) -> list:
@@ -169,33 +244,44 @@ def dynamic_layer_kv(cache: DynamicCache, row: int):
     return lambda layer: (cache.layers[layer].keys[row].transpose(0, 1), cache.layers[layer].values[row].transpose(0, 1))
 
 
-def observe_round(settings: Settings, found: list, round_index: int, rows: dict, pos, mask, drafted, choice, limit,
-                  accepted, n, remaining, finished) -> None:
-    """check_invariants (I5, I6 of the commit) and trace output of one round, for any layout.
+def observe_round(settings: Settings, found: list, round_index: int, rows: dict, queries, proposals: Proposals,
+                  choice, accepted, n, remaining, finished) -> None:
+    """check_invariants (I5, I6 of the commit, I7 of the proposals) and trace output of one round,
+    for any layout.
 
-    rows: requests, prompt_len, tokens, pad_len and content_len of the round's rows (host or device)."""
+    rows: requests, prompt_len, tokens, pad_len and content_len of the round's rows (host or device);
+    queries: per row, the position ids [Q_i] and the visible slots [Q_i, S] (bool) of its verify
+    queries, as host arrays (a row's own queries only)."""
     if not (settings.check or settings.trace is not None):
         return
     committed = committed_lists(choice, n)
+    p = proposals.proposed
+    drafted = proposals.drafted.cpu().numpy()
     if settings.check:
-        found += check_round_commit(drafted.cpu().numpy(), choice.cpu().numpy(), limit, accepted, committed,
+        width = proposals.width - 1
+        found += check_round_commit(drafted[:, :width], choice.cpu().numpy(), p, accepted, committed,
                                     remaining, settings.eos_ids)
+        found += check_proposals(settings, proposals)
     if settings.trace is not None:
-        settings.trace.round(round_index, trace_rows(
-            rows["requests"], rows["prompt_len"], rows["tokens"], rows["pad_len"], rows["content_len"], pos, mask,
-            drafted, choice, limit, accepted, committed, finished))
+        host_choice = choice.cpu().numpy()
+        confidence = (proposals.confidence.float().cpu().numpy() if proposals.confidence is not None
+                      else np.zeros((len(p), 0)))
+        tokens = rows["tokens"].cpu().numpy()
+        settings.trace.round(round_index, [dict(
+            request=int(rows["requests"][i]), prompt_len=int(rows["prompt_len"][i]), tokens=tokens[i].tolist(),
+            pad_len=int(rows["pad_len"][i]), content_len=int(rows["content_len"][i]),
+            positions=[int(x) for x in queries[i][0]], mask=mask_strings(queries[i][1]),
+            drafted=drafted[i, :p[i]].tolist(), target_argmax=host_choice[i, :p[i] + 1].tolist(),
+            draft_limit=int(p[i]), limit=int(proposals.limit[i]),
+            draft_confidence=[round(float(c), 6) for c in confidence[i]], accepted=int(accepted[i]),
+            committed=list(committed[i]), finished=bool(finished[i])) for i in range(len(p))], cap=proposals.cap)
 
 
-def trace_rows(requests, prompt_len, tokens, pad_len, content_len, positions, mask, drafted, choice, limit,
-               accepted, committed, finished) -> list[dict]:
-    """Rows of one round in the trace format (invariants.trace); host copies made only when tracing."""
-    tokens, positions, drafted, choice = (t.cpu().numpy() for t in (tokens, positions, drafted, choice))
-    visible = (mask[:, 0] == 0).cpu().numpy()
-    return [dict(request=int(requests[i]), prompt_len=int(prompt_len[i]), tokens=tokens[i].tolist(),
-                 pad_len=int(pad_len[i]), content_len=int(content_len[i]), positions=positions[i].tolist(),
-                 mask=mask_strings(visible[i]), drafted=drafted[i].tolist(), target_argmax=choice[i].tolist(),
-                 draft_limit=int(limit[i]), accepted=int(accepted[i]), committed=list(committed[i]),
-                 finished=bool(finished[i])) for i in range(len(requests))]
+def rect_queries(positions, mask, proposed) -> list:
+    """Per row, the position ids and visible slots of its own verify queries (the first p_i + 1
+    columns of a rectangular verify; the rest are never accepted)."""
+    positions, visible = positions.cpu().numpy(), (mask[:, 0] == 0).cpu().numpy()
+    return [(positions[i, :p + 1], visible[i, :p + 1]) for i, p in enumerate(proposed)]
 
 
 raise_violations = raise_if

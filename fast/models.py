@@ -30,13 +30,14 @@ class ModelRunner:
     def num_layers(self) -> int:
         return int(self.model.config.num_hidden_layers)
 
-    def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False, kv_lens=None):
+    def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False, kv_lens=None, flat=None):
+        """flat: the FlatParts of a flat forward (fast.attention.flat_plan), whose attention they define."""
         from .attention import forward_plan
         self.tokens_processed += input_ids.numel()
         kwargs = {self.cache_kw: cache}
         if last_only:
             kwargs["logits_to_keep"] = 1
-        with torch.inference_mode(), forward_plan(kv_lens, input_ids.device):
+        with torch.inference_mode(), forward_plan(kv_lens, input_ids.device, flat):
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
                              **kwargs)
         return out.logits

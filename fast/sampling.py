@@ -1,9 +1,9 @@
 """How tokens are chosen: greedy, rejection sampling, or coupled (shared-Gumbel) sampling.
 
-Every strategy calls a `Chooser` twice per round: `draft` for each draft step (the proposal, and
-for rejection sampling the draft's distribution q), and `verify` on the target's logits, which
-returns (choice [R, k+1], accepted [R]) such that the row commits choice[:, :n] (n from the EOS and
-budget rule). Randomness comes from fast.rng, keyed by (seed, request, absolute position, purpose).
+Every strategy calls a `Chooser` twice per round: `draft` for each draft step (the proposal, its
+confidence, and for rejection sampling the draft's distribution q), and `verify` on the target's
+logits, which returns (choice [R, W], accepted [R]) such that the row commits choice[:, :n] (n from
+the EOS and budget rule); a row's `limit` is its own proposal length (fast.proposals). Randomness comes from fast.rng, keyed by (seed, request, absolute position, purpose).
 
 - greedy: choice = argmax; accepted = agreeing prefix (I5).
 - rejection (Leviathan et al., Chen et al.): accept draft d with probability min(1, p(d)/q(d)); on the
@@ -73,18 +73,41 @@ def next_distribution(p_at, q_at, rejected):
     return torch.where(rejected[:, None], residual_distribution(p_at, q_at), p_at)
 
 
-class Greedy:
+def mode_probability(log_probs: torch.Tensor) -> torch.Tensor:
+    """The probability of the most likely token, from (unnormalised) log-probabilities [..., V]."""
+    x = log_probs.float()
+    return torch.exp(x.max(dim=-1).values - x.logsumexp(dim=-1))
+
+
+class Chooser:
+    """draft(logits [R, V], requests, positions) -> (proposals [R], q [R, V] or None, confidence [R]);
+    confidence is the probability of the draft distribution's most likely token (the proposal rule
+    of fast.proposals stops a row below a threshold; it depends on the row's distribution only, never
+    on the token drawn, which keeps rejection sampling exact: proofs_notes/sampling.md).
+    verify(logits [R, W, V], drafted [R, W-1], q, limit [R], requests, first_position) -> (choice [R, W],
+    accepted [R]); verify_flat takes the logits of a flat forward [T, V] and layout [R, W], the flat
+    index of each row's query j (repeating the row's last query past its proposals)."""
+
     needs_q = False
 
+    def verify_flat(self, logits, layout, drafted, q, limit, requests, first_position):
+        return self.verify(logits[layout], drafted, q, limit, requests, first_position)
+
+
+class Greedy(Chooser):
     def draft(self, logits, requests, positions):
-        return logits.argmax(dim=-1), None
+        return logits.argmax(dim=-1), None, mode_probability(logits)
 
     def verify(self, logits, drafted, q, limit, requests, first_position):
         choice = logits.argmax(dim=-1)
         return choice, greedy_accept(drafted, choice, limit)
 
+    def verify_flat(self, logits, layout, drafted, q, limit, requests, first_position):
+        choice = logits.argmax(dim=-1)[layout]  # argmax first: no [R, W, V] copy
+        return choice, greedy_accept(drafted, choice, limit)
 
-class Sampled:
+
+class Sampled(Chooser):
     """Common parts of the two sampling modes: processors and per-request seeds."""
 
     def __init__(self, temperature: float, top_k, top_p, seeds: torch.Tensor, ids: torch.Tensor | None = None):
@@ -100,14 +123,15 @@ class Sampled:
 
 
 class Coupled(Sampled):
-    needs_q = False
 
     def _perturbed(self, logits, requests, positions):
         noise = rng.gumbel(*self.keys(requests), positions, logits.shape[-1])
         return self.log_probs(logits) + noise
 
     def draft(self, logits, requests, positions):
-        return self._perturbed(logits, requests, positions).argmax(dim=-1), None
+        log_q = self.log_probs(logits)
+        noise = rng.gumbel(*self.keys(requests), positions, logits.shape[-1])
+        return (log_q + noise).argmax(dim=-1), None, mode_probability(log_q)
 
     def verify(self, logits, drafted, q, limit, requests, first_position):
         width = logits.shape[1]
@@ -122,7 +146,7 @@ class Rejection(Sampled):
     def draft(self, logits, requests, positions):
         q = self.log_probs(logits).exp()
         u = rng.uniform(*self.keys(requests), positions, "draft")
-        return sample_from(q, u), q
+        return sample_from(q, u), q, q.max(dim=-1).values
 
     def verify(self, logits, drafted, q, limit, requests, first_position):
         rows, width = logits.shape[0], logits.shape[1]

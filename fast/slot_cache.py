@@ -88,6 +88,15 @@ class SlotCache(Cache):
         self.write_slot = self._write_slots(query_index)
         self.kv_len = kv_len
 
+    def prepare_flat(self, token_row: torch.Tensor, token_index: torch.Tensor, count: int, kv_len: int) -> None:
+        """Set up a flat forward over slot rows 0..count-1: query t of the single sequence belongs to
+        row token_row[t] at content index token_index[t]. The layers return views of the rows' first
+        kv_len slots; fast.attention.flat_attention pairs each query with its own row."""
+        self.rows, self.packed = count, False
+        self.row_of_query = token_row[None]
+        self.write_slot = self._write_slots(token_index[None])
+        self.kv_len = kv_len
+
     def prepare_packed(self, slot_of_query: torch.Tensor, query_index: torch.Tensor) -> None:
         """Set up a packed prefill: query j of the single pack row writes slot row slot_of_query[0, j]
         at content index query_index[0, j] (negative: the trash slot)."""

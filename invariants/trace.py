@@ -2,16 +2,20 @@
 
 A trace is JSONL:
 
-1. header: {"trace": "specbatch", "version": 1, "layout": "rectangular" | "ragged",
+1. header: {"trace": "specbatch", "version": 2, "layout": "rectangular" | "ragged",
    "strategy": str, "eos_token_ids": [int], "max_new_tokens": int or [int] (one per request),
-   "num_requests": int, "window": int | null}
-2. one line per round: {"round": r, "rows": [row, ...]} with, per row of the verify forward:
-   request (id), prompt_len, tokens (the row as laid out: pads included for rectangular, the
-   content for ragged), pad_len (0 for ragged), content_len (before the commit), positions
-   (position ids of the verify queries), mask (one string of '0'/'1' per verify query over the
-   KV slots), drafted (k ints), target_argmax (k + 1 ints), draft_limit (row's clamp of k),
+   "num_requests": int, "window": int | null, "num_draft_tokens": k, "draft_threshold": float}
+2. one line per round: {"round": r, "cap": int, "rows": [row, ...]} (cap: the round's largest
+   allowed proposal length) with, per row of the verify forward: request (id), prompt_len,
+   tokens (the row as laid out: pads included for rectangular, the content for ragged), pad_len
+   (0 for ragged), content_len (before the commit), positions (position ids of the row's own verify
+   queries, p + 1 of them), mask (one string of '0'/'1' per such query over the KV slots), drafted
+   (the row's p proposals), target_argmax (p + 1 ints), draft_limit (p, the row's proposal length),
+   limit (min(k, remaining - 1, cap)), draft_confidence (the draft's confidence at each step run),
    accepted, committed (the tokens committed this round), finished (bool).
 3. last line: {"results": [{"request": id, "tokens": [int], "stop_reason": "eos" | "length"}]}
+
+Version 1 traces (no proposal fields; every row drafted its whole limit) are still read.
 
 KV slot s of a row holds content index s - pad_len (rectangular: columns; ragged: pad_len = 0).
 The checker derives everything it expects from lengths, never from token values.
@@ -23,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .checks import check_alignment, check_mask, check_positions, check_round_commit, check_stop
+from .checks import (check_alignment, check_mask, check_positions, check_proposal_lengths, check_round_commit,
+                     check_stop)
 from .violations import Violation
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
 
 
 class TraceError(Exception):
@@ -37,20 +42,22 @@ class TraceWriter:
     """Writes a trace line by line (flushed, so a crash keeps the rounds already done)."""
 
     def __init__(self, path, *, layout: str, strategy: str, eos_token_ids, max_new_tokens,
-                 num_requests: int, window: int | None = None):
+                 num_requests: int, window: int | None = None, num_draft_tokens: int = 0,
+                 draft_threshold: float = 0.0):
         self.file = open(path, "w")
         budgets = ([int(m) for m in max_new_tokens] if isinstance(max_new_tokens, (list, tuple))
                    else int(max_new_tokens))
         self._write({"trace": "specbatch", "version": TRACE_VERSION, "layout": layout, "strategy": strategy,
                      "eos_token_ids": [int(e) for e in eos_token_ids], "max_new_tokens": budgets,
-                     "num_requests": int(num_requests), "window": window})
+                     "num_requests": int(num_requests), "window": window, "num_draft_tokens": int(num_draft_tokens),
+                     "draft_threshold": float(draft_threshold)})
 
     def _write(self, obj) -> None:
         self.file.write(json.dumps(obj) + "\n")
         self.file.flush()
 
-    def round(self, index: int, rows: list[dict]) -> None:
-        self._write({"round": index, "rows": rows})
+    def round(self, index: int, rows: list[dict], cap: int | None = None) -> None:
+        self._write({"round": index, "cap": cap, "rows": rows})
 
     def results(self, sequences, stop_reasons) -> None:
         self._write({"results": [{"request": i, "tokens": [int(t) for t in s], "stop_reason": r}
@@ -100,7 +107,7 @@ def budget(header: dict, request: int) -> int:
     return int(value[request]) if isinstance(value, list) else int(value)
 
 
-def _check_row(header: dict, row: dict) -> list[Violation]:
+def _check_row(header: dict, row: dict, cap=None) -> list[Violation]:
     layout = header["layout"]
     tokens, pad, content = row["tokens"], int(row["pad_len"]), int(row["content_len"])
     out = []
@@ -115,6 +122,17 @@ def _check_row(header: dict, row: dict) -> list[Violation]:
     out += check_round_commit(np.array([row["drafted"]], dtype=np.int64).reshape(1, -1),
                               np.array([row["target_argmax"]]), [row["draft_limit"]], [row["accepted"]],
                               [row["committed"]], [remaining], header["eos_token_ids"])
+    if "draft_confidence" in row:  # version 2: the proposal rule (I7), from the row's own fields
+        k = int(header.get("num_draft_tokens", 0))
+        limit = min(k, remaining - 1, int(cap) if cap is not None else k)
+        if int(row["limit"]) != max(limit, 0):
+            out.append(Violation("I7", "the row's limit is not min(k, remaining - 1, cap)", expected=max(limit, 0),
+                                 actual=int(row["limit"])))
+        out += check_proposal_lengths([row["draft_limit"]], [row["draft_confidence"]], [max(limit, 0)],
+                                      float(header.get("draft_threshold", 0.0)))
+        if len(row["drafted"]) != int(row["draft_limit"]) or len(row["positions"]) != int(row["draft_limit"]) + 1:
+            out.append(Violation("I7", "the row's drafts or verify queries are not its proposal length",
+                                 expected=int(row["draft_limit"]), actual=len(row["drafted"])))
     return [Violation(v.invariant, v.message, row=row["request"], index=v.index, expected=v.expected,
                       actual=v.actual) for v in out]
 
@@ -133,7 +151,7 @@ def check_trace(path) -> list[Violation]:
         for rnd in rounds:
             for row in rnd["rows"]:
                 req = row["request"]
-                found = [v.at_round(rnd["round"]) for v in _check_row(header, row)]
+                found = [v.at_round(rnd["round"]) for v in _check_row(header, row, rnd.get("cap"))]
                 now = row["tokens"][int(row["pad_len"]):][: int(row["content_len"])]
                 if req in finished:
                     found.append(Violation("I6", "a finished request is still decoded", row=req, round=rnd["round"]))

@@ -36,6 +36,18 @@ def deviate_hashed(seed: int, rate: float) -> DeviateRule:
     return rule
 
 
+def confidence_hashed(seed: int, low: float = 0.05, high: float = 0.95):
+    """A confidence rule for scripted drafts: a pseudo-random probability in [low, high], keyed by
+    (seed, content index, input token) like deviate_hashed (fast.proposals thresholds it)."""
+    def rule(next_index, token):
+        h = (np.asarray(next_index, dtype=np.uint64) * np.uint64(0x27D4EB2F)
+             + np.asarray(token, dtype=np.uint64) * np.uint64(0x165667B1) + np.uint64(seed * 0x9E3779B9 + 7))
+        h = (h ^ (h >> np.uint64(13))) * np.uint64(0x5BD1E995) % np.uint64(2**32)
+        return low + (high - low) * h.astype(np.float64) / 2**32
+
+    return rule
+
+
 def demote_top(logits: np.ndarray, where: np.ndarray) -> np.ndarray:
     """Return logits where, at the entries `where` [B, Q], the argmax is pushed to the bottom."""
     out = logits.copy()
@@ -46,18 +58,28 @@ def demote_top(logits: np.ndarray, where: np.ndarray) -> np.ndarray:
 
 
 class ScriptedDraft:
-    """A draft model that agrees with `base` except where `deviate` fires."""
+    """A draft model that agrees with `base` except where `deviate` fires; with a `confidence` rule
+    (e.g. confidence_hashed) its confidence at each step is scripted too (the proposal rule, I7)."""
 
-    def __init__(self, base, deviate: DeviateRule):
-        self.base, self.deviate = base, deviate
+    def __init__(self, base, deviate: DeviateRule, confidence=None):
+        self.base, self.deviate, self.confidence = base, deviate, confidence
         self.n_layers, self.dim, self.vocab_size = base.n_layers, base.dim, base.vocab_size
+        self._last = None
 
     def empty_past(self, batch: int):
         return self.base.empty_past(batch)
 
     def forward(self, tokens, positions, past, mask):
         logits, new_kv = self.base.forward(tokens, positions, past, mask)
+        self._last = (positions[:, -1] + 1, tokens[:, -1])  # what the last query predicts from
         return demote_top(logits, self.deviate(positions + 1, tokens)), new_kv
+
+    def confidence_of(self, last_logits):
+        """The confidence of the last forward's last query (the rule's value, or softmax's top)."""
+        if self.confidence is None:
+            shifted = last_logits - last_logits.max(axis=-1, keepdims=True)
+            return 1.0 / np.exp(shifted).sum(axis=-1)
+        return self.confidence(*self._last)
 
     def logits_of(self, sequence):
         seq = np.asarray(sequence, dtype=np.int64)

@@ -17,7 +17,7 @@ import numpy as np
 from ..invariants import (TraceWriter, Violation, check_alignment, check_conservation, check_kv, check_mask, check_positions,
                           check_round_commit, mask_strings, raise_if)
 from .pool import ExspecPool, SlotQueue
-from .rounds import commit_counts, committed_tokens, greedy_accept, ragged_commit
+from .rounds import commit_counts, committed_tokens, greedy_accept, proposal_lengths, ragged_commit, softmax_max
 from .state import RaggedState, RectState, query_mask
 
 STRATEGIES = ("eqspec", "exspec", "ragged")
@@ -30,6 +30,26 @@ class Options:
     pad_id: int = 0
     window: int | None = None  # sliding attention window, applied by position in the mask
     check: bool = False
+    threshold: float = 0.0  # a row stops proposing when its draft confidence is below it (I7)
+    caps: list | None = None  # the cap of each round in order (a fast engine's trace), default k
+
+
+def draft_rows(draft, limit, threshold, step_fn):
+    """Draft step by step (step_fn(step) -> the draft's last-query logits [B, V], fed by the caller
+    with the previous proposals) and apply the proposal rule: returns (drafted [B, steps run],
+    confidence [B, steps run], proposed [B]). Drafting stops once no row proposes."""
+    batch = len(limit)
+    drafted, confidence = np.zeros((batch, 0), dtype=np.int64), np.zeros((batch, 0))
+    active = np.asarray(limit) > 0
+    for step in range(int(np.max(limit, initial=0))):
+        logits = step_fn(step, drafted)
+        conf = draft.confidence_of(logits) if hasattr(draft, "confidence_of") else softmax_max(logits)
+        drafted = np.concatenate([drafted, logits.argmax(-1)[:, None]], axis=1)
+        confidence = np.concatenate([confidence, np.asarray(conf, dtype=float)[:, None]], axis=1)
+        active &= (step < np.asarray(limit)) & (confidence[:, -1] >= threshold)
+        if not active.any():
+            break
+    return drafted, confidence, proposal_lengths(confidence, limit, threshold)
 
 
 @dataclass
@@ -137,43 +157,51 @@ def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: 
     state = RectState.from_rows([r.tokens for r in rows], opt.pad_id)
     (batch, width), pad, content = state.tokens.shape, state.pad_len, state.content_len
     remaining = np.array([r.remaining for r in rows])
-    limit = np.minimum(opt.k, remaining - 1) if draft is not None else np.zeros(batch, dtype=np.int64)
-    k_round = int(limit.max())
-    drafted = np.zeros((batch, k_round), dtype=np.int64)
+    clamp = np.minimum(opt.k, remaining - 1) if draft is not None else np.zeros(batch, dtype=np.int64)
+    limit = np.minimum(clamp, round_cap(opt, round_index))
     if opt.check:  # without I1 nothing below is meaningful: stop at once
         raise_if(check_alignment(pad, content, width), round_index)
     found = []
+    drafted, confidence, proposed = np.zeros((batch, 0), dtype=np.int64), np.zeros((batch, 0)), np.zeros(batch, int)
 
-    if k_round:
+    if limit.max() > 0:
         pending = max(r.draft_pending for r in rows)  # re-feed the last `pending` tokens of every row
-        past_d = stack_kv([r.draft_kv for r in rows], pad, width - pending, draft)
-        cols, toks = np.arange(width - pending, width), state.tokens[:, width - pending:]
-        for step in range(k_round):
-            logits, past_d, seen = forward_rect(draft, state, past_d, cols, toks, opt.window)
+        past = [stack_kv([r.draft_kv for r in rows], pad, width - pending, draft)]
+
+        def step_fn(step, so_far):
+            cols = np.arange(width - pending, width) if step == 0 else np.array([width + step - 1])
+            toks = state.tokens[:, width - pending:] if step == 0 else so_far[:, -1:]
+            logits, past[0], seen = forward_rect(draft, state, past[0], cols, toks, opt.window)
             if opt.check:
-                found += check_rect_forward(state, cols, seen, opt.window)
-            drafted[:, step] = logits[:, -1].argmax(-1)
-            cols, toks = np.array([width + step]), drafted[:, step:step + 1]
+                found.extend(check_rect_forward(state, cols, seen, opt.window))
+            return logits[:, -1]
+        drafted, confidence, proposed = draft_rows(draft, limit, opt.threshold, step_fn)
+        past_d = past[0]
+    k_round = drafted.shape[1]  # draft steps run
+    width_q = int(proposed.max(initial=0))  # the longest proposal: shorter rows never accept the rest
 
     past_t = stack_kv([r.target_kv for r in rows], pad, width - 1, target)
-    cols = np.arange(width - 1, width + k_round)
-    toks = np.concatenate([state.tokens[:, -1:], drafted], axis=1)
+    cols = np.arange(width - 1, width + width_q)
+    toks = np.concatenate([state.tokens[:, -1:], drafted[:, :width_q]], axis=1)
     logits, past_t, seen = forward_rect(target, state, past_t, cols, toks, opt.window)
     choice = logits.argmax(-1)
-    accepted = greedy_accept(drafted, choice, limit)
+    accepted = greedy_accept(drafted[:, :width_q], choice, proposed)
     n, hit_eos = commit_counts(choice, accepted, remaining, opt.eos_ids)
     committed = committed_tokens(choice, drafted, n)
     if opt.check:
         found += check_rect_forward(state, cols, seen, opt.window)
-        found += check_round_commit(drafted, choice, limit, accepted, committed, remaining, opt.eos_ids)
+        found += check_round_commit(drafted[:, :width_q], choice, proposed, accepted, committed, remaining,
+                                    opt.eos_ids)
 
     for i, row in enumerate(rows):
         if trace_rows is not None:
+            p = int(proposed[i])
             trace_rows.append(dict(
                 request=row.request, prompt_len=row.prompt_len, tokens=state.tokens[i].tolist(), pad_len=int(pad[i]),
-                content_len=int(content[i]), positions=seen["positions"][i].tolist(),
-                mask=mask_strings(seen["allowed"][i]), drafted=drafted[i].tolist(), target_argmax=choice[i].tolist(),
-                draft_limit=int(limit[i]), accepted=int(accepted[i]), committed=committed[i],
+                content_len=int(content[i]), positions=seen["positions"][i][:p + 1].tolist(),
+                mask=mask_strings(seen["allowed"][i][:p + 1]), drafted=drafted[i, :p].tolist(),
+                target_argmax=choice[i, :p + 1].tolist(), draft_limit=p, limit=int(limit[i]),
+                draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]), committed=committed[i],
                 finished=bool(hit_eos[i] or n[i] == remaining[i])))
         row.tokens = row.tokens + list(committed[i])
         row.target_kv = unstack_kv(past_t, i, pad[i], content[i] + n[i] - 1)
@@ -192,7 +220,14 @@ def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: 
                 if k_round:
                     found += check_row_kv(draft, row.draft_kv, row.tokens, row.draft_pending, i, "draft cache")
         raise_if(found, round_index)
-    return accepted, k_round
+    return accepted, k_round, proposed
+
+
+def round_cap(opt: Options, round_index: int) -> int:
+    """The round's cap on proposal lengths: the recorded cap of a fast engine's round, else k."""
+    if opt.caps is not None and round_index - 1 < len(opt.caps) and opt.caps[round_index - 1] is not None:
+        return int(opt.caps[round_index - 1])
+    return opt.k
 
 
 def forward_slots(model, cache, rows, q_index, tokens, window):
@@ -228,47 +263,60 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
     """One round over the active slot rows `rows`; commits in place at each row's own offset."""
     content = state.content_len[rows].copy()
     remaining = state.budget_end[rows] - content
-    limit = np.minimum(opt.k, remaining - 1) if draft is not None else np.zeros(len(rows), dtype=np.int64)
-    k_round = int(limit.max())
-    drafted = np.zeros((len(rows), k_round), dtype=np.int64)
+    clamp = np.minimum(opt.k, remaining - 1) if draft is not None else np.zeros(len(rows), dtype=np.int64)
+    limit = np.minimum(clamp, round_cap(opt, round_index))
     found = []
-    if k_round:
+    drafted, confidence, proposed = (np.zeros((len(rows), 0), dtype=np.int64), np.zeros((len(rows), 0)),
+                                     np.zeros(len(rows), dtype=np.int64))
+    if limit.max() > 0:
         pending = int(state.draft_pending[rows].max())
-        q_index = content[:, None] - pending + np.arange(pending)[None, :]
-        toks = np.where(q_index >= 0, state.tokens[rows[:, None], np.maximum(q_index, 0)], opt.pad_id)
-        for step in range(k_round):
+
+        def step_fn(step, so_far):
+            if step == 0:
+                q_index = content[:, None] - pending + np.arange(pending)[None, :]
+                toks = np.where(q_index >= 0, state.tokens[rows[:, None], np.maximum(q_index, 0)], opt.pad_id)
+            else:
+                q_index, toks = content[:, None] + step - 1, so_far[:, -1:]
             logits, seen = forward_slots(draft, caches["draft"], rows, q_index, toks, opt.window)
             if opt.check:
-                found += check_positions(seen["positions"], seen["query_index"])
-                found += check_mask(seen["allowed"], seen["query_index"], seen["slot_index"], opt.window)
-            drafted[:, step] = logits[:, -1].argmax(-1)
-            q_index, toks = content[:, None] + step, drafted[:, step:step + 1]
+                found.extend(check_positions(seen["positions"], seen["query_index"]))
+                found.extend(check_mask(seen["allowed"], seen["query_index"], seen["slot_index"], opt.window))
+            return logits[:, -1]
+        drafted, confidence, proposed = draft_rows(draft, limit, opt.threshold, step_fn)
+    k_round = drafted.shape[1]  # draft steps run
+    width_q = int(proposed.max(initial=0))
 
-    q_index = content[:, None] - 1 + np.arange(k_round + 1)[None, :]
-    toks = np.concatenate([state.tokens[rows, content - 1][:, None], drafted], axis=1)
+    # each row verifies its own proposals only: query j > p_i is a pad query (writes and sees nothing)
+    j = np.arange(width_q + 1)[None, :]
+    q_index = np.where(j <= proposed[:, None], content[:, None] - 1 + j, -1)
+    toks = np.concatenate([state.tokens[rows, content - 1][:, None], drafted[:, :width_q]], axis=1)
     logits, seen = forward_slots(target, caches["target"], rows, q_index, toks, opt.window)
     choice = logits.argmax(-1)
-    accepted = greedy_accept(drafted, choice, limit)
+    accepted = greedy_accept(drafted[:, :width_q], choice, proposed)
     n, hit_eos = commit_counts(choice, accepted, remaining, opt.eos_ids)
     committed = committed_tokens(choice, drafted, n)
     if opt.check:
         found += check_positions(seen["positions"], seen["query_index"])
         found += check_mask(seen["allowed"], seen["query_index"], seen["slot_index"], opt.window)
-        found += check_round_commit(drafted, choice, limit, accepted, committed, remaining, opt.eos_ids)
+        found += check_round_commit(drafted[:, :width_q], choice, proposed, accepted, committed, remaining,
+                                    opt.eos_ids)
     if trace_rows is not None:
         for i, row in enumerate(rows):
+            p = int(proposed[i])
             trace_rows.append(dict(
                 request=int(state.request[row]), prompt_len=int(state.prompt_len[row]),
                 tokens=state.content(row), pad_len=0, content_len=int(content[i]),
-                positions=seen["positions"][i].tolist(), mask=mask_strings(seen["allowed"][i]),
-                drafted=drafted[i].tolist(), target_argmax=choice[i].tolist(), draft_limit=int(limit[i]),
-                accepted=int(accepted[i]), committed=committed[i], finished=bool(hit_eos[i] or n[i] == remaining[i])))
+                positions=seen["positions"][i][:p + 1].tolist(), mask=mask_strings(seen["allowed"][i][:p + 1]),
+                drafted=drafted[i, :p].tolist(), target_argmax=choice[i, :p + 1].tolist(), draft_limit=p,
+                limit=int(limit[i]), draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]),
+                committed=committed[i], finished=bool(hit_eos[i] or n[i] == remaining[i])))
     ragged_commit(state, rows, committed)
     state.target_pending[rows] = 1
-    if k_round:
+    if k_round:  # the draft ran on the pending tokens and d_1..d_{steps-1}
         state.draft_pending[rows] = n - np.minimum(np.minimum(accepted, k_round - 1), n)
     else:
         state.draft_pending[rows] += n
+
     if opt.check:
         for i, row in enumerate(rows):
             if hit_eos[i] or n[i] == remaining[i]:
@@ -279,7 +327,7 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
                     kv = [(k[row, : c - pend], v[row, : c - pend]) for k, v in caches[name]]
                     found += check_row_kv(model, kv, state.content(row), pend, i, f"{name} cache")
         raise_if(found, round_index)
-    return accepted, n, hit_eos, k_round
+    return accepted, n, hit_eos, k_round, proposed
 
 
 def move_slot(state: RaggedState, caches, src: int, dst: int) -> None:
@@ -309,14 +357,18 @@ def _new_rows(prompts, max_new, requests, target, draft, opt):
 
 def generate(target, draft, prompts, *, max_new_tokens, k: int = 4, eos_ids=(), strategy: str = "eqspec",
              batch_size: int = 4, pad_id: int = 0, window: int | None = None, pool_window: int | None = None,
-             max_wait: int = 4, arrival=None, check: bool = False, trace=None) -> ReferenceResult:
+             max_wait: int = 4, arrival=None, check: bool = False, trace=None, threshold: float = 0.0,
+             caps=None) -> ReferenceResult:
     """Reference batch speculative decoding; `draft=None` is target-only decoding.
 
     max_new_tokens: int or one per prompt. arrival: the order requests are submitted (default:
-    input order); results always come back in input order (S2)."""
+    input order); results always come back in input order (S2). threshold: the proposal rule's
+    confidence threshold (I7; 0: every row proposes its whole limit); caps: each round's cap on
+    proposal lengths (default k every round)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
-    opt = Options(k=k if draft is not None else 0, eos_ids=tuple(eos_ids), pad_id=pad_id, window=window, check=check)
+    opt = Options(k=k if draft is not None else 0, eos_ids=tuple(eos_ids), pad_id=pad_id, window=window, check=check,
+                  threshold=threshold, caps=caps)
     count = len(prompts)
     max_new = [max_new_tokens] * count if np.isscalar(max_new_tokens) else list(max_new_tokens)
     order = list(range(count)) if arrival is None else list(arrival)
@@ -327,15 +379,15 @@ def generate(target, draft, prompts, *, max_new_tokens, k: int = 4, eos_ids=(), 
     if trace is not None:
         writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy,
                              eos_token_ids=opt.eos_ids, max_new_tokens=max_new, num_requests=count,
-                             window=window)
+                             window=window, num_draft_tokens=opt.k, draft_threshold=threshold)
 
-    def account(accepted, n, k_round, trace_rows):
+    def account(accepted, n, proposed, trace_rows):
         stats["rounds"] += 1
-        stats["drafted_tokens"] += k_round * len(n)
+        stats["drafted_tokens"] += int(np.sum(proposed))
         stats["accepted_tokens"] += int(np.sum(accepted))
         stats["generated_tokens"] += int(np.sum(n))
         if writer is not None:
-            writer.round(stats["rounds"], trace_rows)
+            writer.round(stats["rounds"], trace_rows, cap=round_cap(opt, stats["rounds"]))
 
     if strategy in ("eqspec", "exspec"):
         pool = ExspecPool(batch_size, window=batch_size if strategy == "eqspec" else (pool_window or 4 * batch_size),
@@ -359,8 +411,8 @@ def generate(target, draft, prompts, *, max_new_tokens, k: int = 4, eos_ids=(), 
             rows = [live[r] for r in chosen]
             trace_rows = [] if writer is not None else None
             lens = np.array([len(r.tokens) for r in rows])
-            accepted, k_round = rect_round(rows, target, draft, opt, stats["rounds"] + 1, trace_rows)
-            account(accepted, np.array([len(r.tokens) for r in rows]) - lens, k_round, trace_rows)
+            accepted, k_round, proposed = rect_round(rows, target, draft, opt, stats["rounds"] + 1, trace_rows)
+            account(accepted, np.array([len(r.tokens) for r in rows]) - lens, proposed, trace_rows)
             finished = {r.request for r in rows if r.stop_reason is not None}
             for r in finished:
                 results[r] = live.pop(r)
@@ -393,9 +445,9 @@ def generate(target, draft, prompts, *, max_new_tokens, k: int = 4, eos_ids=(), 
                 move_slot(state, caches, src, dst)
             rows = np.nonzero(state.active)[0]
             trace_rows = [] if writer is not None else None
-            accepted, n, hit_eos, k_round = ragged_round(state, caches, rows, target, draft, opt,
-                                                         stats["rounds"] + 1, trace_rows)
-            account(accepted, n, k_round, trace_rows)
+            accepted, n, hit_eos, k_round, proposed = ragged_round(state, caches, rows, target, draft, opt,
+                                                                   stats["rounds"] + 1, trace_rows)
+            account(accepted, n, proposed, trace_rows)
             for i, slot in enumerate(rows):
                 if hit_eos[i] or state.content_len[slot] == state.budget_end[slot]:
                     r = int(state.request[slot])

@@ -1,8 +1,9 @@
 """One round of batch speculative decoding, on plain arrays.
 
-A round: every active row has k drafts `drafted[i, :k]`; the target's choice after the pending
-token and after each draft is `choice[i, :k+1]` (argmax for greedy). Row i accepts the drafts up
-to the first mismatch (at most `limit[i]`, its own clamp), then commits `accepted + 1` tokens
+A round: every active row proposes p_i drafts `drafted[i, :p_i]` (its proposal length, from its
+own draft confidences: `proposal_lengths`); the target's choice after the pending token and after
+each draft is `choice[i, :p_i + 1]` (argmax for greedy). Row i accepts the drafts up to the first
+mismatch (at most `limit[i]` = p_i), then commits `accepted + 1` tokens
 `choice[i, :accepted + 1]` (the correction on a reject, the bonus on a full accept), fewer when
 it reaches an EOS id or its budget (I5, I6).
 """
@@ -11,6 +12,21 @@ from __future__ import annotations
 import numpy as np
 
 from .state import RaggedState, RectState
+
+
+def proposal_lengths(confidence: np.ndarray, limit: np.ndarray, threshold: float) -> np.ndarray:
+    """How many drafts each row proposes (I7): the leading draft steps whose confidence (the
+    probability of the draft distribution's most likely token) is >= threshold, at most limit[i]
+    = min(k, remaining - 1, the round's cap). confidence: [rows, steps run]."""
+    confidence = np.asarray(confidence, dtype=float).reshape(len(limit), -1)
+    allowed = np.arange(confidence.shape[1])[None, :] < np.asarray(limit)[:, None]
+    return np.cumprod((confidence >= threshold) & allowed, axis=1).sum(axis=1).astype(np.int64)
+
+
+def softmax_max(logits: np.ndarray) -> np.ndarray:
+    """The probability of the most likely token of softmax(logits) along the last axis."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return 1.0 / np.exp(shifted).sum(axis=-1)
 
 
 def greedy_accept(drafted: np.ndarray, choice: np.ndarray, limit: np.ndarray) -> np.ndarray:

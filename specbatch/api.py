@@ -8,6 +8,7 @@ import torch
 
 from .fast.attention import engine_attention
 from .fast.kernels import compiled_blocks, prepacked_linears
+from .fast.proposals import DEFAULT_THRESHOLD, DraftController
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
@@ -49,7 +50,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
              pool_window: int | None = None, max_wait: int = 4, on_result=None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed=0,
              sampling: str = "rejection", arrivals=None, request_ids=None, prepack: bool = True,
-             compile: bool = False) -> GenerationResult:
+             compile: bool = False, draft_threshold: float | None = None, adaptive: bool | None = None
+             ) -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
     Greedy output equals target-only greedy decoding token for token (proofs_notes/).
@@ -72,6 +74,13 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     on_result: called as on_result(request, tokens, stop_reason, rounds) when a request finishes.
     prepack: on CPU, compute float32/bfloat16 linear layers with oneDNN-prepacked weights (fast.kernels;
     a second copy of those weights is kept beside the modules); False: transformers' own layers.
+    num_draft_tokens: k, the most tokens a row proposes in a round. How many it does propose is
+    decided per row (fast.proposals): it stops when the draft's confidence (probability of its most
+    likely next token) falls below draft_threshold (default 0.3; 0: never), and adaptive=True lets a
+    cost-aware controller cap the round's proposals from measured step costs and each row's history
+    (0 caps make a plain target step). adaptive=None: on, except for rejection sampling (where a cap
+    that depends on batch and timing would make seeded outputs depend on them). Fixed k:
+    draft_threshold=0, adaptive=False.
     compile: torch.compile (inductor) the MLP blocks and normalisation layers, compiled code cached
     on disk (fast.kernels.compiled_blocks). Measured on the 2-core CPU: slower than prepack (README).
     """
@@ -87,6 +96,9 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if arrivals is not None and (len(arrivals) != len(prompts) or any(b < a for a, b in zip(arrivals, arrivals[1:]))):
         raise ValueError("arrivals must give one nondecreasing time per prompt")
+    if draft_threshold is not None and (isinstance(draft_threshold, bool) or not isinstance(draft_threshold, (int, float))
+                                        or not 0 <= draft_threshold <= 1):
+        raise ValueError(f"draft_threshold must be a probability in [0, 1], got {draft_threshold!r}")
     if isinstance(seed, (list, tuple)) and len(seed) != len(prompts):
         raise ValueError(f"seed has {len(seed)} entries for {len(prompts)} prompts")
     _positive("num_draft_tokens", num_draft_tokens)
@@ -133,13 +145,18 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     pad_id = pad_token_id if pad_token_id is not None else (getattr(target.config, "pad_token_id", None) or 0)
     stats = Stats()
     writer = None
+    threshold = float(DEFAULT_THRESHOLD if draft_threshold is None else draft_threshold) if k else 0.0
+    if adaptive is None:
+        adaptive = not (temperature and sampling == "rejection")
     if trace is not None:
-        writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy, eos_token_ids=eos_ids,
-                             max_new_tokens=max_new, num_requests=len(ids), window=window)
+        writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy,
+                             eos_token_ids=eos_ids, max_new_tokens=max_new, num_requests=len(ids), window=window,
+                             num_draft_tokens=k, draft_threshold=threshold)
     settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
                         pad_id=int(pad_id), check=check_invariants, trace=writer,
                         chooser=make_chooser(temperature, top_k, top_p, seed, sampling, len(ids), device,
-                                             request_ids))
+                                             request_ids),
+                        threshold=threshold, controller=DraftController(k, bool(adaptive)) if k else None)
     target_runner = ModelRunner(target)
     draft_runner = ModelRunner(draft) if draft is not None else None
     results: dict = {}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import engine_options
+from .cli import engine_options, proposal_options
 
 SPEC_METHODS = ("eqspec", "exspec", "ragged")
 BROKEN_METHODS = ("bsp-like", "dsd-like")  # deliberately broken variants: the correctness table
@@ -64,9 +64,11 @@ def run_method(method, batch, target, draft, ids, args, eos_ids):
         return hf_assisted(target, draft, ids, args.max_new_tokens, args.num_draft_tokens, eos_ids)
     # ar: target-only decoding through the ragged engine, the same forward path and options as every method
     strategy = method if method in SPEC_METHODS + BROKEN_METHODS else ("ragged" if method == "ar" else "eqspec")
+    # the broken variants reproduce published mistakes, which drafted k tokens in every row every round
+    proposal = dict(draft_threshold=0.0, adaptive=False) if method in BROKEN_METHODS else proposal_options(args)
     result = specbatch.generate(target, None if method == "ar" else draft, ids, max_new_tokens=args.max_new_tokens,
                                 num_draft_tokens=args.num_draft_tokens, batch_size=1 if method == "spec1" else batch,
-                                strategy=strategy, progress=True, **engine_options(args))
+                                strategy=strategy, progress=True, **engine_options(args), **proposal)
     return result.sequences, result.stats
 
 
@@ -205,7 +207,7 @@ def arrival_bench(target, draft, ids, args, batch: int, methods) -> list[dict]:
         result = specbatch.generate(target, None if method == "ar" else draft, ids, max_new_tokens=args.max_new_tokens,
                                     num_draft_tokens=args.num_draft_tokens, batch_size=batch,
                                     strategy="ragged" if method == "ar" else method, arrivals=list(arrivals),
-                                    progress=True, **engine_options(args))
+                                    progress=True, **engine_options(args), **proposal_options(args))
         latency = np.array([r["latency"] for r in result.request_stats])
         rows.append(dict(method=method, batch=batch, p50=float(np.percentile(latency, 50)),
                          p90=float(np.percentile(latency, 90)), p99=float(np.percentile(latency, 99)),

@@ -31,6 +31,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -89,12 +99,21 @@ def engine_options(args) -> dict:
     return dict(prepack=not getattr(args, "no_prepack", False), compile=getattr(args, "compile", False))
 
 
+def proposal_options(args) -> dict:
+    """How far rows draft: --draft-threshold (default 0.3) and --fixed-k (no threshold, no controller)."""
+    if getattr(args, "fixed_k", False):
+        return dict(draft_threshold=0.0, adaptive=False)
+    threshold = getattr(args, "draft_threshold", None)
+    return {} if threshold is None else dict(draft_threshold=threshold)
+
+
 def run_generate(target, draft, ids, args, **extra):
     import specbatch
     try:
         return specbatch.generate(target, draft, ids, max_new_tokens=args.max_new_tokens,
                                   num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
-                                  strategy=args.strategy, **sampling_kwargs(args), **engine_options(args), **extra)
+                                  strategy=args.strategy, **sampling_kwargs(args), **engine_options(args),
+                                  **proposal_options(args), **extra)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -240,7 +259,16 @@ def add_model_args(p, draft_default=None):
                    "compiled code cached under the specbatch cache folder); slower on the 2-core CPU, see README")
 
 
+def add_proposal_args(p):
+    p.add_argument("--draft-threshold", type=probability, default=None,
+                   help="a row stops drafting when the draft's confidence (probability of its most likely next "
+                        "token) falls below this (default 0.3; 0: never)")
+    p.add_argument("--fixed-k", action="store_true", help="every row drafts --num-draft-tokens every round (no "
+                   "confidence threshold, no cost-aware controller)")
+
+
 def add_decoding_args(p):
+    add_proposal_args(p)
     p.add_argument("--prompts", required=True, help="JSONL (prompt or turns, optional id) or text, one per line")
     p.add_argument("--strategy", default="ragged", choices=STRATEGY_CHOICES)
     p.add_argument("--batch-size", type=positive_int, default=8)
@@ -291,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: ar, spec1, eqspec, exspec, ragged, hf-assisted, and the deliberately "
                         "broken bsp-like, dsd-like (correctness table)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=4)
+    add_proposal_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--repeats", type=positive_int, default=1)
     p.add_argument("--chat-template", action="store_true")

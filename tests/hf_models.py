@@ -57,3 +57,8 @@ def hf_greedy(model, prompt, max_new_tokens, eos_ids):
 def oracle(model, prompts, max_new_tokens, eos_ids):
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
     return [hf_greedy(model, p, m, tuple(eos_ids)) for p, m in zip(prompts, budgets)]
+
+
+# Speculative decoding with every row drafting its whole limit every round (no confidence threshold,
+# no cost controller): what tests of the drafting, verifying and cache machinery need to exercise it.
+FIXED_K = dict(draft_threshold=0.0, adaptive=False)

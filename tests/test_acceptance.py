@@ -8,9 +8,12 @@ from specbatch.fast.acceptance import simulate_rounds
 from specbatch.fast.lookup_draft import LookupFirstDraft
 
 
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("lookup", [False, True])
-def test_replayed_rounds_equal_the_engine_rounds(k, lookup):
+def test_replayed_rounds_equal_the_engine_rounds(k, lookup, threshold):
+    """Fixed k (threshold 0) and the proposal rule without the cost controller (threshold 0.3: the
+    lookup's proposals pass it, the tiny random model's never do)."""
     target = tiny("llama")
     draft = tiny("llama", layers=1, seed=5)
     draft = LookupFirstDraft(draft, min_match=1) if lookup else draft
@@ -18,6 +21,6 @@ def test_replayed_rounds_equal_the_engine_rounds(k, lookup):
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
     prompts[1] = prompts[1][:8] * 2 + prompts[1][8:]  # something to look up
     result = specbatch.generate(target, draft, prompts, max_new_tokens=20, num_draft_tokens=k, batch_size=2,
-                                strategy="ragged", eos_token_id=[])
-    replayed = [simulate_rounds(draft, p, a, k) for p, a in zip(prompts, result.sequences)]
+                                strategy="ragged", eos_token_id=[], draft_threshold=threshold, adaptive=False)
+    replayed = [simulate_rounds(draft, p, a, k, threshold) for p, a in zip(prompts, result.sequences)]
     assert replayed == [(len(a), r["rounds"]) for a, r in zip(result.sequences, result.request_stats)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specbatch
-from hf_models import EOS, VOCAB, tiny
+from hf_models import EOS, FIXED_K, VOCAB, tiny
 from specbatch.fast.drafts import ScriptedDraft
 from specbatch.fast.equivalence import TIE_ULPS, compare, ulp
 from specbatch.reference import deviate_hashed
@@ -28,7 +28,7 @@ def test_bfloat16_speculative_equals_target_only_up_to_bfloat16_ties(strategy):
     target = tiny("llama", dtype=torch.bfloat16)
     reference = specbatch.generate(target, None, PROMPTS, max_new_tokens=10, batch_size=1, strategy="ragged")
     result = specbatch.generate(target, ScriptedDraft(target, deviate_hashed(4, 0.3)), PROMPTS, max_new_tokens=10,
-                                num_draft_tokens=3, batch_size=4, strategy=strategy, eos_token_id=[EOS])
+                                num_draft_tokens=3, batch_size=4, strategy=strategy, eos_token_id=[EOS], **FIXED_K)
     reports = compare(target, PROMPTS, result.sequences, reference.sequences)
     assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
     assert sum(r["exact"] for r in reports) >= len(PROMPTS) - 2

@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hf_models import EOS, VOCAB, oracle, tiny
 from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.attention import engine_attention
 from specbatch.fast.engine import Clock, Settings, Stats
 from specbatch.fast.models import ModelRunner, mask_fill_value
 from specbatch.fast.strategies.ragged import RaggedEngine
@@ -47,9 +48,15 @@ class RaggedMachine(RuleBasedStateMachine):
         self.arrivals = ManualArrivals(len(POOL))
         self.settings.arrivals = self.arrivals
         stats = Stats()
+        self.attention = engine_attention(TARGET)  # the engine's attention, as generate() sets it up
+        self.attention.__enter__()
         self.engine = RaggedEngine(ModelRunner(TARGET), ModelRunner(ScriptedDraft(TARGET, deviate_hashed(seed, 0.3))),
                                    POOL, BUDGETS, self.settings, stats, Clock(stats, self.settings.device), slots)
         self.done, self.rounds = {}, 0
+
+    def teardown(self):
+        if hasattr(self, "attention"):
+            self.attention.__exit__(None, None, None)
 
     @precondition(lambda self: hasattr(self, "arrivals") and self.arrivals.allowed < len(POOL))
     @rule(count=st.integers(1, 3))

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specbatch
-from hf_models import ARCHS, EOS, VOCAB, hf_greedy, oracle, tiny
+from hf_models import ARCHS, EOS, FIXED_K, VOCAB, hf_greedy, oracle, tiny
 from specbatch.fast.drafts import ScriptedDraft
 from specbatch.fast.equivalence import compare
 from specbatch.invariants import check_trace
-from specbatch.reference import RectState, deviate_at, deviate_hashed, eqspec_update
+from specbatch.reference import RectState, confidence_hashed, deviate_at, deviate_hashed, eqspec_update
 
 STRATEGIES = ["eqspec", "exspec", "ragged"]
 RNG = np.random.default_rng(0)
@@ -35,18 +35,24 @@ def drafts(arch):
             "scripted": ScriptedDraft(target, deviate_hashed(7, 0.35))}
 
 
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("draft", ["none", "random", "self", "scripted"])
-def test_equals_transformers_greedy_float64(arch, draft, strategy):
+def test_equals_transformers_greedy_float64(arch, draft, strategy, mode):
+    """fixed: every row drafts its whole limit; adaptive: the defaults (confidence threshold, cost
+    controller), with a scripted confidence so that rows do stop at different steps."""
     target = tiny(arch)
     eos = eos_mid_generation(target, PROMPTS)
     budgets = [12, 1, 9, 16, 5, 12]
     want = oracle(target, PROMPTS, budgets, eos)
     assert any(s[-1] in eos and len(s) < b for s, b in zip(want, budgets)), "EOS should stop some row mid-way"
-    result = specbatch.generate(target, drafts(arch)[draft], PROMPTS, max_new_tokens=budgets, num_draft_tokens=3,
+    chosen = drafts(arch)[draft]
+    if mode == "adaptive" and draft == "scripted":
+        chosen = ScriptedDraft(target, deviate_hashed(7, 0.35), confidence=confidence_hashed(3))
+    result = specbatch.generate(target, chosen, PROMPTS, max_new_tokens=budgets, num_draft_tokens=3,
                                 batch_size=4, eos_token_id=eos, check_invariants=(draft == "scripted"),
-                                strategy=strategy)
+                                strategy=strategy, **(FIXED_K if mode == "fixed" else {}))
     assert result.sequences == want
     assert result.stop_reasons == ["eos" if s[-1] in eos else "length" for s in want]
 
@@ -59,7 +65,7 @@ def test_batch_sizes_and_draft_lengths(batch_size, k, strategy):
     want = oracle(target, PROMPTS, 14, [EOS])
     draft = ScriptedDraft(target, deviate_hashed(k, 0.25))
     result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=14, num_draft_tokens=k, batch_size=batch_size,
-                                strategy=strategy)
+                                strategy=strategy, **FIXED_K)
     assert result.sequences == want
 
 
@@ -68,7 +74,7 @@ def test_full_acceptance_commits_k_plus_one_tokens_per_round(strategy):
     target = tiny("qwen3")
     prompts = [PROMPTS[3], PROMPTS[5]]
     result = specbatch.generate(target, target, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=2,
-                                eos_token_id=[], strategy=strategy)
+                                eos_token_id=[], strategy=strategy, **FIXED_K)
     assert result.stats["mean_accepted_length"] == 4.0 and result.stats["acceptance_rate"] == 1.0
     if strategy != "exspec":  # exspec may run the two rows (of different lengths) in separate rounds
         assert result.stats["rounds"] == 3
@@ -81,7 +87,7 @@ def test_budget_ending_mid_round_and_max_new_tokens_one(strategy):
     for budget in ([1] * 6, [1, 2, 3, 4, 5, 6], 7):
         want = oracle(target, PROMPTS, budget, [])
         result = specbatch.generate(target, target, PROMPTS, max_new_tokens=budget, num_draft_tokens=4,
-                                    batch_size=3, eos_token_id=[], check_invariants=True, strategy=strategy)
+                                    batch_size=3, eos_token_id=[], check_invariants=True, strategy=strategy, **FIXED_K)
         assert result.sequences == want
         assert all(r == "length" for r in result.stop_reasons)
 
@@ -91,7 +97,7 @@ def test_pad_id_does_not_matter(strategy):
     target = tiny("gpt2")
     draft = ScriptedDraft(target, deviate_at([4, 11, 12, 30]))
     outs = [specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, num_draft_tokens=4, batch_size=6,
-                               pad_token_id=pad, strategy=strategy).sequences for pad in (EOS, 0, PROMPTS[2][5])]
+                               pad_token_id=pad, strategy=strategy, **FIXED_K).sequences for pad in (EOS, 0, PROMPTS[2][5])]
     assert outs[0] == outs[1] == outs[2] == oracle(target, PROMPTS, 10, [EOS])
 
 
@@ -102,7 +108,7 @@ def test_sliding_window_is_applied_by_position(strategy):
     want = oracle(target, prompts, 14, [EOS])
     assert want != oracle(tiny("mistral"), prompts, 14, [EOS])  # the window really changes the output
     result = specbatch.generate(target, ScriptedDraft(target, deviate_hashed(2, 0.3)), prompts, max_new_tokens=14,
-                                num_draft_tokens=3, batch_size=2, check_invariants=True, strategy=strategy)
+                                num_draft_tokens=3, batch_size=2, check_invariants=True, strategy=strategy, **FIXED_K)
     assert result.sequences == want
 
 
@@ -110,7 +116,7 @@ def test_work_counters_no_reprefill():
     """Both models keep their caches: each processes about one position per committed token."""
     target = tiny("llama")
     result = specbatch.generate(target, target, PROMPTS, max_new_tokens=16, num_draft_tokens=4, batch_size=6,
-                                eos_token_id=[])
+                                eos_token_id=[], **FIXED_K)
     stats, rows = result.stats, len(PROMPTS)
     assert stats["generated_tokens"] == 16 * rows and stats["rounds"] == 4
     prefill = sum(len(p) - 1 for p in PROMPTS)  # one packed prefill of the real tokens, then never again
@@ -160,7 +166,7 @@ def test_fuzzed_acceptance_patterns_against_the_reference(tmp_path_factory, stra
     path = tmp_path_factory.mktemp("trace") / "t.jsonl"
     result = specbatch.generate(target, ScriptedDraft(target, deviate_at(deviations)), PROMPTS,
                                 max_new_tokens=budgets, num_draft_tokens=k, batch_size=batch,
-                                check_invariants=True, trace=path, strategy=strategy)
+                                check_invariants=True, trace=path, strategy=strategy, **FIXED_K)
     assert result.sequences == want
     assert check_trace(path) == []
     if strategy == "eqspec":

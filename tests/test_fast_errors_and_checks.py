@@ -7,7 +7,7 @@ import torch
 
 import specbatch
 import specbatch.fast.strategies.eqspec as eqspec
-from hf_models import EOS, VOCAB, tiny
+from hf_models import EOS, FIXED_K, VOCAB, tiny
 from specbatch.fast.drafts import ScriptedDraft
 from specbatch.invariants import InvariantError
 from specbatch.reference import deviate_hashed
@@ -98,7 +98,8 @@ def test_check_invariants_names_the_broken_invariant(monkeypatch, mutant, invari
     draft = target if mutant is _no_bonus else ScriptedDraft(target, deviate_hashed(1, 0.4))
     mutant(monkeypatch)
     with pytest.raises(InvariantError) as caught:
-        specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, num_draft_tokens=3, check_invariants=True)
+        specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, num_draft_tokens=3, check_invariants=True,
+                           **FIXED_K)
     v = caught.value.violations[0]
     assert v.invariant == invariant and v.round is not None and v.row is not None, str(caught.value)
 
@@ -113,9 +114,9 @@ def test_deliberately_broken_variants_collapse_and_are_caught(broken):
     target = tiny("llama")
     draft = ScriptedDraft(target, deviate_hashed(2, 0.3))
     result = specbatch.generate(target, draft, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=6,
-                                strategy=broken)
+                                strategy=broken, **FIXED_K)
     want = oracle(target, prompts, 12, [EOS])
     assert sum(a == b for a, b in zip(result.sequences, want)) <= len(prompts) // 2
     with pytest.raises(InvariantError):
         specbatch.generate(target, draft, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=6,
-                           strategy=broken, check_invariants=True)
+                           strategy=broken, check_invariants=True, **FIXED_K)

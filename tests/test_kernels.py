@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specbatch
-from hf_models import EOS, VOCAB, oracle, tiny
+from hf_models import EOS, FIXED_K, VOCAB, oracle, tiny
 from specbatch.fast import kernels
 from specbatch.fast.drafts import ScriptedDraft
 from specbatch.fast.equivalence import compare
@@ -69,12 +69,12 @@ def test_float32_generation_through_prepacked_layers_matches_up_to_ties(arch, st
     with kernels.prepacked_linears(target) as count:
         assert count > 0  # the path under test really is the prepacked one
     result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=3, batch_size=3,
-                                strategy=strategy)
+                                strategy=strategy, **FIXED_K)
     reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
     assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
     assert sum(r["exact"] for r in reports) >= len(PROMPTS) - 1
     plain = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=3, batch_size=3,
-                               strategy=strategy, prepack=False)
+                               strategy=strategy, prepack=False, **FIXED_K)
     reports = compare(target, PROMPTS, plain.sequences, result.sequences, tolerance=1e-3)
     assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import specbatch
-from hf_models import EOS, VOCAB, oracle, tiny
+from hf_models import EOS, FIXED_K, VOCAB, oracle, tiny
 from specbatch.fast import prefill as prefill_module
 from specbatch.fast.attention import PLAN, forward_plan, grouped_attention, plain_attention, plan_groups, plan_parts
 from specbatch.fast.engine import Settings, fresh_kv
@@ -158,6 +158,6 @@ def test_prompts_of_1_to_700_tokens_in_one_admission(strategy):
     want = oracle(target, LONG, 6, [EOS])
     draft = tiny("llama", layers=1, seed=3, max_position_embeddings=1024)
     result = specbatch.generate(target, draft, LONG, max_new_tokens=6, num_draft_tokens=3, batch_size=len(LONG),
-                                strategy=strategy, pad_token_id=EOS, check_invariants=True)
+                                strategy=strategy, pad_token_id=EOS, check_invariants=True, **FIXED_K)
     assert result.sequences == want
     assert result.stats["target_tokens_processed"] < sum(LENGTHS) + len(LONG) * 6 * 4  # no padded rectangle

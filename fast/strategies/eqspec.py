@@ -15,8 +15,8 @@ from transformers import DynamicCache
 from ..cache import cache_width, gather_cache, rect_inputs
 from ..prefill import prefill_rectangle
 from ...invariants import check_alignment
-from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, dynamic_layer_kv,
-                      observe_round, raise_violations)
+from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, draft_round, dynamic_layer_kv,
+                      observe_round, raise_violations, rect_queries, record_round)
 from ..verify import commit_counts, draft_pending_after
 
 
@@ -74,34 +74,34 @@ class RectBatch:
         s, width = self.settings, self.width
         self.rounds += 1
         remaining = self.budget_end - self.content_len
-        limit = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(self.size, dtype=np.int64)
-        k = int(limit.max())
+        clamp = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(self.size, dtype=np.int64)
         found = check_alignment(width - self.content_len, self.content_len, width) if s.check else []
 
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
         requests, content = dev(self.request), dev(self.content_len)
-        drafted, q = self.tokens.new_empty((self.size, 0)), None
-        if k:
-            with self.clock("time_draft"):
-                pending = int(self.draft_pending.max())  # re-feed the last `pending` tokens of every row
-                ids, first, steps, dists = self.tokens[:, width - pending:], width - pending, [], []
-                for step in range(k):
-                    logits, _, _ = self.forward(self.draft, ids, first, self.draft_cache, found, last_only=True)
-                    first += ids.shape[1]
-                    token, dist = s.chooser.draft(logits[:, -1], requests, content + step)
-                    ids = token[:, None]
-                    steps.append(ids)
-                    dists.append(dist)
-                drafted = torch.cat(steps, dim=1)
-                q = torch.stack(dists, dim=1) if s.chooser.needs_q else None
+        pending = self.uniform_pending  # the first step re-feeds the last `pending` columns of every row
+        first = [width - pending]
+
+        def step_forward(step, ids):
+            ids = self.tokens[:, width - pending:] if ids is None else ids
+            logits, _, _ = self.forward(self.draft, ids, first[0], self.draft_cache, found, last_only=True)
+            first[0] += ids.shape[1]
+            return logits[:, -1]
+
+        with self.clock("time_draft"):
+            proposals = draft_round(step_forward, s, clamp, requests, content, s.device)
+        p, q = proposals.proposed, proposals.q
+        drafted = proposals.drafted[:, :proposals.width - 1]  # longer rows' proposals; shorter rows never accept them
 
         with self.clock("time_verify"):
             ids = torch.cat([self.tokens[:, -1:], drafted], dim=1)
             logits, pos, mask = self.forward(self.target, ids, width - 1, self.target_cache, found)
-            choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(limit), requests, content)
+            choice, accepted_t = s.chooser.verify(logits, drafted, None if q is None else q[:, :drafted.shape[1]],
+                                                  dev(p), requests, content)
             n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
             accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
         finished = (hit_eos == 1) | (n == remaining)
+        record_round(s, self.clock, self.request, proposals, accepted, ids.numel())
 
         with self.clock("time_align"):
             extended = torch.cat([self.tokens, choice], dim=1)  # committed token j of a row is column width + j
@@ -109,9 +109,10 @@ class RectBatch:
             observe_round(s, found, round_index, dict(requests=self.request, prompt_len=self.prompt_len,
                                                       tokens=self.tokens, pad_len=width - self.content_len,
                                                       content_len=self.content_len),
-                          pos, mask, drafted, choice, limit, accepted, n, remaining, finished)
-            self._update(extended, ~finished, n, accepted, k)
-        self.stats.add_round(k, accepted, n)
+                          rect_queries(pos, mask, p) if s.check or s.trace else None, proposals, choice, accepted, n,
+                          remaining, finished)
+            self._update(extended, ~finished, n, accepted, proposals.steps)
+        self.stats.add_round(p, accepted, n)
         if s.check:
             found += self._check_caches(round_index)
             raise_violations(found, round_index)
@@ -127,10 +128,20 @@ class RectBatch:
         return [(int(self.request[r]), host[j, start[j]:end[j]].tolist(), "eos" if hit_eos[r] else "length",
                  int(self.rounds[r])) for j, r in enumerate(rows)]
 
+    @property
+    def uniform_pending(self) -> int:
+        """The draft cache covers columns [0, L - P) for every row alike: P is the rows' largest
+        pending count (a row with less loses the K/V in between, recomputed when its first draft step
+        re-feeds the last P columns; a row shorter than P has nothing cached: its pad columns in
+        those P are pad queries)."""
+        return min(int(self.draft_pending.max()), self.width)
+
     def _update(self, extended, keep, n, accepted, k):
-        """The EQSPEC update on tokens and both caches: one gather each, or a crop when δ = 0."""
+        """The EQSPEC update on tokens and both caches: one gather each, or a crop when δ = 0.
+
+        k: draft steps run this round (0: the draft did not run and every row's pending count grows)."""
         new_len = self.content_len + n
-        pending = draft_pending_after(n, accepted, k, self.draft_pending)
+        pending = draft_pending_after(n, accepted, k, np.full(self.size, self.uniform_pending))
         if not keep.any():
             self.request = self.request[:0]
             return
@@ -147,7 +158,7 @@ class RectBatch:
             self.tokens = kept.gather(1, source)
         gather_cache(self.target_cache, rows, source, new_width - 1)
         if self.draft is not None:
-            gather_cache(self.draft_cache, rows, source, new_width - int(pending[keep].max()))
+            gather_cache(self.draft_cache, rows, source, max(new_width - int(pending[keep].max()), 0))
         self.request, self.prompt_len, self.budget_end = self.request[keep], self.prompt_len[keep], self.budget_end[keep]
         self.content_len, self.draft_pending, self.rounds = new_len[keep], pending[keep], self.rounds[keep]
 

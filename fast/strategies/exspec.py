@@ -61,14 +61,19 @@ def unstack(batch: RectBatch) -> list[PooledRow]:
 
 
 def _stacked_cache(per_row_kv: list, keep: list[int]) -> DynamicCache:
-    """Left-pad each row's first keep[i] entries and stack: one pad_sequence per cache tensor."""
+    """Left-pad each row's first keep[i] entries and stack: one pad_sequence per cache tensor.
+
+    (A row shorter than the batch's draft pending count keeps nothing: its first draft step re-feeds
+    pad columns, which the masks hide.)"""
     cache = DynamicCache()
-    if not per_row_kv or not per_row_kv[0] or max(keep) == 0:
+    template = next((kv for kv in per_row_kv if kv), None)  # a row whose draft cache is empty has no layers
+    if template is None or max(keep) == 0:
         return cache
-    for layer in range(len(per_row_kv[0])):
+    for layer in range(len(template)):
         parts = []
         for part in (0, 1):
-            pieces = [kv[layer][part][:n] for kv, n in zip(per_row_kv, keep)]
+            pieces = [(kv[layer][part] if kv else template[layer][part])[:n if kv else 0]
+                      for kv, n in zip(per_row_kv, keep)]
             parts.append(pad_sequence(pieces, batch_first=True, padding_side="left").transpose(1, 2))
         cache.update(parts[0], parts[1], layer)
     return cache
@@ -86,7 +91,7 @@ def stack(rows: list[PooledRow], target, draft, settings: Settings, stats: Stats
                      draft_pending=np.full(len(rows), pending, dtype=np.int64), tokens=tokens,
                      rounds=np.array([r.rounds for r in rows]),
                      target_cache=_stacked_cache([r.target_kv for r in rows], list(content - 1)),
-                     draft_cache=_stacked_cache([r.draft_kv for r in rows], list(content - pending)))
+                     draft_cache=_stacked_cache([r.draft_kv for r in rows], list(np.maximum(content - pending, 0))))
 
 
 def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done,

@@ -14,7 +14,9 @@ import torch
 
 from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
-from ..engine import Arrivals, Settings, Stats, check_cache_row, observe_round, raise_violations
+from ..attention import flat_plan, uses_engine_attention
+from ..engine import (Arrivals, Settings, Stats, check_cache_row, draft_round, observe_round, raise_violations,
+                      rect_queries, record_round)
 from ..prefill import prefill_into
 from ..slot_cache import SlotCache
 from ..verify import commit_counts, draft_pending_after
@@ -31,10 +33,21 @@ def ragged_inputs(query_index: torch.Tensor, kv_len: int, window: int | None, dt
     return query_index.clamp(min=0), mask[:, None]
 
 
+def flat_queries(plan, rows: int) -> list:
+    """Per row, the position ids and visible slots of its verify queries in a flat forward (host)."""
+    out = [None] * rows
+    for part in plan:
+        members = np.arange(rows)[part.rows] if isinstance(part.rows, slice) else part.rows.cpu().numpy()
+        visible = (part.mask[:, 0] == 0).cpu().numpy()
+        for r, row in enumerate(members):
+            real = part.query_index[r] >= 0
+            out[row] = (part.query_index[r][real], visible[r][real])
+    return out
+
+
 def storage_dtype(runner, settings: Settings):
     """float32 K/V for a half-precision model on a CPU whose attention is ours (the small attention
     products are several times faster in float32 there); otherwise the model's own dtype."""
-    from ..attention import uses_engine_attention
     half = settings.dtype in (torch.bfloat16, torch.float16) and settings.device.type == "cpu"
     return torch.float32 if half and uses_engine_attention(runner.model) else None
 
@@ -56,6 +69,7 @@ class RaggedEngine:
         self.caches = {name: SlotCache(runner.num_layers, slots, capacity, dev, storage_dtype(runner, settings))
                        for name, runner in (("target", target), ("draft", draft)) if runner is not None}
         self.queue = SlotQueue(slots)
+        self.flat_ok = uses_engine_attention(target.model)  # flat verify needs fast.attention in every layer
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
 
     def forward(self, name, query_index: np.ndarray, ids, found, last_only=False):
@@ -120,56 +134,96 @@ class RaggedEngine:
         self.last_round = dict(slots=rows.tolist(), queued=len(self.queue.queue))
         content = self.content_len[rows]
         remaining = self.budget_end[rows] - content
-        limit = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(len(rows), dtype=np.int64)
-        k = int(limit.max())
+        clamp = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(len(rows), dtype=np.int64)
         found: list = []
         rows_dev = torch.as_tensor(rows, device=s.device)
-
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
         requests, content_t = dev(self.request[rows]), dev(content)
-        drafted, q = self.tokens.new_empty((len(rows), 0)), None
-        if k:
-            with self.clock("time_draft"):
-                pending = int(self.draft_pending[rows].max())
+        pending = int(self.draft_pending[rows].max()) if self.draft is not None else 1
+
+        def step_forward(step, ids):
+            if ids is None:  # re-feed each row's last `pending` tokens (identical K/V where already cached)
                 query_index = content[:, None] - pending + np.arange(pending)[None, :]
-                ids = self.tokens[rows_dev[:, None], torch.as_tensor(np.maximum(query_index, 0), device=s.device)]
-                steps, dists = [], []
-                for step in range(k):
-                    logits, _, _ = self.forward("draft", query_index, ids, found, last_only=True)
-                    token, dist = s.chooser.draft(logits[:, -1], requests, content_t + step)
-                    ids = token[:, None]
-                    steps.append(ids)
-                    dists.append(dist)
-                    query_index = content[:, None] + step
-                drafted = torch.cat(steps, dim=1)
-                q = torch.stack(dists, dim=1) if s.chooser.needs_q else None
+                ids = self.tokens[rows_dev[:, None], dev(np.maximum(query_index, 0))]
+            else:
+                query_index = content[:, None] + step - 1
+            logits, _, _ = self.forward("draft", query_index, ids, found, last_only=True)
+            return logits[:, -1]
+
+        with self.clock("time_draft"):
+            proposals = draft_round(step_forward, s, clamp, requests, content_t, s.device)
+        p = proposals.proposed
+        width = proposals.width
+        drafted = proposals.drafted[:, :width - 1]
+        q = None if proposals.q is None else proposals.q[:, :width - 1]
 
         with self.clock("time_verify"):
-            query_index = content[:, None] - 1 + np.arange(k + 1)[None, :]
-            last = self.tokens[rows_dev, torch.as_tensor(content - 1, device=s.device)]
-            ids = torch.cat([last[:, None], drafted], dim=1)
-            logits, pos, mask = self.forward("target", query_index, ids, found)
-            choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(limit), requests, content_t)
+            last = self.tokens[rows_dev, dev(content - 1)]
+            tokens = torch.cat([last[:, None], drafted], dim=1)  # [R, W]: row i uses its first p_i + 1
+            if s.flat_verify and self.flat_ok:
+                choice, accepted_t, queries, verified = self.verify_flat(tokens, content, p, drafted, q, requests,
+                                                                         content_t, found)
+            else:
+                query_index = content[:, None] - 1 + np.arange(width)[None, :]
+                logits, pos, mask = self.forward("target", query_index, tokens, found)
+                choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(p), requests, content_t)
+                queries, verified = (rect_queries(pos, mask, p) if s.check or s.trace else None), tokens.numel()
             n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
-            accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()
+            accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
+        record_round(s, self.clock, self.request[rows], proposals, accepted, verified)
 
         with self.clock("time_align"):
             # the commit: write the target's choices at each row's own offset; nothing else moves
-            columns = dev(content[:, None] + np.arange(k + 1)[None, :])
+            columns = dev(content[:, None] + np.arange(width)[None, :])
             self.tokens[rows_dev[:, None], columns] = choice
             finished = (hit_eos == 1) | (n == remaining)
             observe_round(s, found, round_index, dict(
                 requests=self.request[rows], prompt_len=self.prompt_len[rows], tokens=self._contents(rows, content),
-                pad_len=np.zeros(len(rows)), content_len=content),
-                pos, mask, drafted, choice, limit, accepted, n, remaining, finished)
+                pad_len=np.zeros(len(rows)), content_len=content), queries, proposals, choice, accepted, n,
+                remaining, finished)
             self.content_len[rows] = content + n
-            self.draft_pending[rows] = draft_pending_after(n, accepted, k, self.draft_pending[rows])
+            if self.draft is not None:
+                self.draft_pending[rows] = draft_pending_after(n, accepted, proposals.steps, self.draft_pending[rows])
             self._release(rows[finished], hit_eos[finished], on_done)
-        self.stats.add_round(k, accepted, n)
+        self.stats.add_round(p, accepted, n)
         if s.check:
             found += check_conservation(range(self.arrivals.released), self.queue.members())
             found += self._check_caches(round_index)
             raise_violations(found, round_index)
+
+    def verify_flat(self, tokens, content, proposed, drafted, q, requests, content_t, found):
+        """One target forward over every row's own queries laid end to end (no padding): row i's
+        pending token and its p_i proposals, at content indices c_i - 1 .. c_i - 1 + p_i."""
+        s = self.settings
+        count = proposed + 1
+        token_row = np.repeat(np.arange(len(count)), count)
+        start = np.cumsum(count) - count
+        j = np.arange(len(token_row)) - start[token_row]
+        token_index = content[token_row] - 1 + j
+        layout = start[:, None] + np.minimum(np.arange(tokens.shape[1])[None, :], proposed[:, None])
+        plan = flat_plan(token_row, token_index, s.window, s.dtype, s.fill, s.device)
+        cache = self.caches["target"]
+        dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
+        cache.prepare_flat(dev(token_row), dev(token_index), len(count), int(token_index.max()) + 1)
+        ids = tokens[dev(token_row), dev(j)][None]
+        pos = dev(token_index)[None]
+        hidden = torch.full((1, 1, 1, 1), s.fill, dtype=s.dtype, device=s.device).expand(1, 1, len(j), cache.kv_len)
+        logits = self.target(ids, pos, hidden, cache, flat=plan)  # the plan's masks decide what each query sees
+        choice, accepted = s.chooser.verify_flat(logits[0], dev(layout), drafted, q, dev(proposed), requests,
+                                                 content_t)
+        queries = None
+        if s.check or s.trace is not None:
+            queries = flat_queries(plan, len(count))
+            if s.check:  # I2, I4 against what the lengths alone say row r's query j must be: c_r - 1 + j
+                for part in plan:
+                    members = np.arange(len(count))[part.rows] if isinstance(part.rows, slice) \
+                        else part.rows.cpu().numpy()
+                    j = np.arange(part.query_index.shape[1])[None, :]
+                    want = np.where(j < count[members][:, None], content[members][:, None] - 1 + j, -1)
+                    got = pos[0][part.tokens].view(want.shape).cpu().numpy()
+                    slot = np.broadcast_to(np.arange(part.length), (len(members), part.length))
+                    found += check_positions(got, want) + check_mask(part.mask, want, slot, s.window)
+        return choice, accepted, queries, len(token_row)
 
     def _contents(self, rows, content):
         """Row contents as a right-padded tensor (for the trace only)."""
