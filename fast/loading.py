@@ -176,7 +176,8 @@ def truncated_draft(target, num_layers: int = 2):
 def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", device: str = "cpu"):
     """(draft or None, its tokenizer or None) for a draft spec: "none", "lookup" (prompt lookup
     alone), "truncated:N" (the target's first N layers), "smollm2-draft" (the committed distilled
-    draft), any model `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
+    draft, its head reduced to the tokens it was trained to predict; "smollm2-draft-full": the whole
+    head), any model `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
     from .lookup_draft import LookupFirstDraft, PromptLookupDraft
     from .models import vocab_size
     if spec in (None, "none"):
@@ -193,10 +194,18 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
         if not count.isdigit() or int(count) < 1:
             raise ModelLoadError(f"truncated:N needs a positive number of layers, got {spec!r}")
         return truncated_draft(target, int(count)), None
-    if spec in DISTILLED_DRAFTS:
-        folder = DISTILLED_DRAFTS[spec]
+    full_head = spec.endswith("-full") and spec[: -len("-full")] in DISTILLED_DRAFTS
+    if spec in DISTILLED_DRAFTS or full_head:
+        name = spec[: -len("-full")] if full_head else spec
+        folder = DISTILLED_DRAFTS[name]
         if not (folder / "model.safetensors").is_file():
-            raise ModelLoadError(f"the distilled draft {spec!r} is missing from this installation ({folder})")
+            raise ModelLoadError(f"the distilled draft {name!r} is missing from this installation ({folder})")
         model, _ = load_model(str(folder), dtype, device)
+        tokens = folder / "output_tokens.json"
+        if not full_head and tokens.is_file():  # the head over the tokens it was trained to predict
+            import json
+
+            from .reduced_head import ReducedHeadDraft
+            model = ReducedHeadDraft(model, json.loads(tokens.read_text()))
         return model, None
     return load_model(spec, dtype, device)

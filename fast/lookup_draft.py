@@ -8,13 +8,15 @@ history and proposes the token that followed it. It costs a few tensor operation
 buys speed whenever a text repeats itself (summaries, code, retrieval answers), and like any draft
 it cannot change the output (proofs_notes/).
 
-`PromptLookupDraft` is the lookup alone (no match: it proposes the last token again);
+`PromptLookupDraft` is the lookup alone (its confidence: certain for a match of 2+ tokens, 0.2 for
+a single token, barely above uniform without a match, where it falls back to the last token);
 `LookupFirstDraft` puts it in front of a real draft model, which proposes wherever no n-gram of at
 least `min_match` tokens matches.
 """
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import torch
@@ -52,6 +54,11 @@ def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int, min_ngr
     return proposal.clamp(min=0), matched  # a pad query (nothing visible) proposes token 0
 
 
+def confidence_height(confidence: float, vocab: int) -> float:
+    """The logit h (others 0) at which one token has softmax probability `confidence`."""
+    return math.log(confidence * (vocab - 1) / (1 - confidence))
+
+
 class PromptLookupDraft(WeightlessLM):
     def __init__(self, vocab_size: int, max_ngram: int = 3, device="cpu", generation_config=None):
         super().__init__(vocab_size, "prompt-lookup", generation_config)
@@ -61,10 +68,16 @@ class PromptLookupDraft(WeightlessLM):
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
                 logits_to_keep=0, **kwargs):
         batch, queries = input_ids.shape
-        proposal, _ = lookup(cache, 0, input_ids, attention_mask, self.max_ngram)
+        proposal, matched = lookup(cache, 0, input_ids, attention_mask, self.max_ngram)
         keep = queries if not logits_to_keep else min(int(logits_to_keep), queries)
+        # the proposal's confidence (fast.proposals) grows with the matched n-gram: 2 or more tokens are
+        # taken as certain, a single token as a weak guess (0.2), no match as barely above uniform
+        vocab = self.config.vocab_size
+        height = torch.full(matched.shape, confidence_height(1.5 / vocab, vocab), device=input_ids.device)
+        height = torch.where(matched == 1, confidence_height(0.2, vocab), height)
+        height = torch.where(matched >= 2, torch.full_like(height, 1e4), height)
         logits = torch.zeros(batch, keep, self.config.vocab_size, device=input_ids.device)
-        logits.scatter_(2, proposal[:, None, None].expand(batch, keep, 1), 1.0)
+        logits.scatter_(2, proposal[:, None, None].expand(batch, keep, 1), height[:, None, None].expand(batch, keep, 1))
         return SimpleNamespace(logits=logits)
 
 

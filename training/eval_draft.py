@@ -28,12 +28,13 @@ from pathlib import Path
 
 
 
-def replay_tau(draft, ids, answers, categories, k: int) -> tuple[float, dict]:
-    """τ overall and per category from draft-only replays of the known greedy answers."""
+def replay_tau(draft, ids, answers, categories, k: int, threshold: float = 0.0) -> tuple[float, dict]:
+    """τ overall and per category from draft-only replays of the known greedy answers (threshold:
+    the proposal rule's, without the cost controller)."""
     from specbatch.fast.acceptance import simulate_rounds
     tokens, rounds = {}, {}
     for prompt, answer, category in zip(ids, answers, categories):
-        n, r = simulate_rounds(draft, prompt, answer, k)
+        n, r = simulate_rounds(draft, prompt, answer, k, threshold)
         tokens[category] = tokens.get(category, 0) + n
         rounds[category] = rounds.get(category, 0) + r
     return sum(tokens.values()) / max(sum(rounds.values()), 1), {c: tokens[c] / max(rounds[c], 1) for c in tokens}
@@ -47,14 +48,17 @@ def step_ms(model, context: int = 300, steps: int = 40) -> float:
     import torch
 
     from specbatch.fast.acceptance import UnpaddedRow
+    from specbatch.fast.attention import engine_attention
+    from specbatch.fast.kernels import prepacked_linears
     row = UnpaddedRow(model)
     ids = torch.randint(100, 40000, (context + steps,), generator=torch.Generator().manual_seed(0)).tolist()
-    row.feed(ids[:context])
     times = []
-    for token in ids[context:]:
-        start = time.perf_counter()
-        row.feed([token])
-        times.append(time.perf_counter() - start)
+    with engine_attention(model), prepacked_linears(model):  # the engine's attention and linear layers
+        row.feed(ids[:context])
+        for token in ids[context:]:
+            start = time.perf_counter()
+            row.feed([token])
+            times.append(time.perf_counter() - start)
     return 1000 * sorted(times)[len(times) // 2]
 
 
@@ -80,6 +84,8 @@ def main(argv=None):
     parser.add_argument("--limit", type=int, default=24, help="held-out examples (heldout)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--draft-threshold", type=float, default=0.0,
+                        help="replay with the proposal rule's confidence threshold (0: every row drafts k)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--strategy", default="ragged")
     parser.add_argument("--out", default="draft_eval.json")
@@ -121,7 +127,7 @@ def main(argv=None):
     rows = []
     for name in args.drafts:
         draft, _ = load_draft(name, target)
-        tau, per_category = replay_tau(draft, ids, answers, categories, k)
+        tau, per_category = replay_tau(draft, ids, answers, categories, k, args.draft_threshold)
         rows.append(dict(draft=name, tau=tau, tau_by_category=per_category))
         print(json.dumps(dict(draft=name, replayed_tau=round(tau, 3))), flush=True)
         if name in args.run:

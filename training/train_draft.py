@@ -11,8 +11,9 @@ target's embedding on its first principal components; everything else is random.
         --answers training/data/stage1_answers.jsonl training/data/stage2_answers.jsonl \
         --out fast/distilled/smollm2-draft --epochs 2
 
-Writes config.json, generation_config.json, model.safetensors and training_log.json (seed, data
-size, steps, wall time, validation agreement) to --out.
+Writes config.json, generation_config.json, model.safetensors, training_log.json (seed, data
+size, steps, wall time, validation agreement) and output_tokens.json (the tokens trained as outputs,
+the draft's reduced head) to --out.
 """
 from __future__ import annotations
 
@@ -243,6 +244,8 @@ def main(argv=None):
         kept_step=best[1] if best[2] is not None else step, validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
     )
     (out / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if candidates is not None:  # the reduced head of fast/reduced_head.py: the tokens trained as outputs
+        (out / "output_tokens.json").write_text(json.dumps(candidates.tolist()) + "\n")
     print(f"validation agreement {final:.3f}; saved to {out}")
 
 

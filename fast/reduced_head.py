@@ -1,0 +1,58 @@
+"""A draft whose output head covers only the tokens it was trained to predict.
+
+The distilled SmolLM2 draft is 14.7M parameters, 12.6M of them the 49,152 x 256 output head, and a
+draft step on the CPU is mostly that head. It was trained over a subset of the vocabulary (the
+tokens the target's answers use), so its logits outside that set carry nothing learned. Here the
+head multiplies only the rows of those tokens and every other logit is a very negative constant:
+the draft proposes within the set, its confidence (fast.proposals) and its distribution are the
+model's over the set. Any draft keeps output equivalence (proofs_notes/equivalence.md: drafts are
+functions of the visible content), so this changes speed and acceptance, never outputs.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from .models import cache_argument
+
+
+class ReducedHeadDraft(torch.nn.Module):
+    """`model` (a Hugging Face causal LM) with its output head restricted to `token_ids`."""
+
+    def __init__(self, model, token_ids):
+        super().__init__()
+        self.model = model
+        self.cache_kw = cache_argument(model)
+        head = model.get_output_embeddings()
+        ids = torch.as_tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long, device=head.weight.device)
+        self.register_buffer("token_ids", ids, persistent=False)
+        self.head = torch.nn.Linear(head.weight.shape[1], len(ids), bias=head.bias is not None,
+                                    device=head.weight.device, dtype=head.weight.dtype)
+        with torch.no_grad():
+            self.head.weight.copy_(head.weight[ids])
+            if head.bias is not None:
+                self.head.bias.copy_(head.bias[ids])
+        self.vocab_size = head.weight.shape[0]
+        self.config = model.config
+        self.generation_config = model.generation_config
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()  # the full vocabulary: what the target is checked against
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
+                logits_to_keep=0, **kwargs):
+        out = self.model.base_model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                    use_cache=True, **{self.cache_kw: cache})
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -int(logits_to_keep):]
+        small = self.head(hidden)
+        floor = torch.finfo(small.dtype).min / 2
+        logits = small.new_full(small.shape[:-1] + (self.vocab_size,), floor)
+        logits.index_copy_(-1, self.token_ids, small)
+        return SimpleNamespace(logits=logits)

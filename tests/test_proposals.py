@@ -1,0 +1,201 @@
+"""Variable per-row proposal lengths (fast.proposals): the rule, the controller, every strategy
+against transformers' greedy decoding and the reference's rule under fuzzed confidences, traces
+checked (I7), and mutants that let a row's length follow a neighbour or verify past its own
+proposal caught."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import specbatch
+import specbatch.fast.engine as engine
+from hf_models import EOS, VOCAB, oracle, tiny
+from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.proposals import DraftController, LinearCost, proposal_lengths
+from specbatch.invariants import InvariantError, check_proposal_lengths, check_trace
+from specbatch.reference import ToyLM, confidence_hashed, deviate_at, deviate_hashed
+from specbatch.reference import generate as reference_generate
+from specbatch.reference import rounds as reference_rounds
+
+STRATEGIES = ["eqspec", "exspec", "ragged"]
+RNG = np.random.default_rng(4)
+PROMPTS = [RNG.integers(0, VOCAB, n).tolist() for n in (1, 9, 60, 3, 25, 2)]
+PROMPTS[1][2] = EOS  # the pad id (== EOS) inside a prompt
+
+
+@given(st.lists(st.lists(st.floats(0, 1), min_size=4, max_size=4), min_size=1, max_size=6),
+       st.lists(st.integers(0, 4), min_size=6, max_size=6), st.floats(0, 1))
+def test_the_rule_three_ways(confidence, limits, threshold):
+    """fast.proposals, reference.rounds and the checker state the same rule."""
+    confidence = np.array(confidence)
+    limit = np.array(limits[:len(confidence)])
+    fast = proposal_lengths(confidence, limit, threshold)
+    assert (fast == reference_rounds.proposal_lengths(confidence, limit, threshold)).all()
+    assert check_proposal_lengths(fast, confidence, limit, threshold) == []
+    for i in range(len(limit)):
+        p = int(fast[i])
+        assert p <= limit[i] and all(confidence[i, :p] >= threshold)
+        assert p == limit[i] or confidence[i, p] < threshold
+
+
+def test_a_length_that_follows_a_neighbour_breaks_the_rule():
+    confidence = np.array([[0.9, 0.9, 0.1], [0.9, 0.1, 0.9]])
+    limit = np.array([3, 3])
+    good = proposal_lengths(confidence, limit, 0.5)
+    assert list(good) == [2, 1]
+    swapped = good[::-1]  # each row took the other's length
+    assert [v.invariant for v in check_proposal_lengths(swapped, confidence, limit, 0.5)] == ["I7", "I7"]
+    longest = np.full(2, good.max())  # every row verifies the round's longest proposal
+    assert [v.row for v in check_proposal_lengths(longest, confidence, limit, 0.5)] == [1]
+
+
+def test_linear_cost_fits_and_the_controller_prefers_cheap_likely_drafts():
+    cost = LinearCost()
+    for x in (1, 2, 5, 8):
+        cost.add(x, 0.010 + 0.002 * x)
+    assert cost(10) == pytest.approx(0.030)
+    rows = 4
+    controller = DraftController(k=4, adaptive=True)
+    for _ in range(3):
+        controller.draft_cost.add(rows, 0.001)
+    for tokens in (rows, 2 * rows, 5 * rows):
+        controller.verify_cost.add(tokens, 0.050 + 0.0005 * tokens)  # a verify token is cheap: drafting pays
+    for r in range(rows):
+        controller.record([r], [4], [4], [True], rows, 4, 0.004, 5, 0.06)  # every row proposes and is accepted
+    assert controller.best_cap([controller.rows[r] for r in range(rows)], np.full(rows, 4)) == 4
+    costly = DraftController(k=4, adaptive=True)
+    for _ in range(3):
+        costly.draft_cost.add(rows, 0.05)  # a draft step as dear as a target step
+    for tokens in (rows, 2 * rows, 5 * rows):
+        costly.verify_cost.add(tokens, 0.050 + 0.01 * tokens)
+    for r in range(rows):
+        costly.record([r], [4], [0], [True], rows, 4, 0.2, 5, 0.1)  # proposals always rejected
+    assert costly.best_cap([costly.rows[r] for r in range(rows)], np.full(rows, 4)) == 0  # a plain target step
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@given(deviations=st.sets(st.integers(1, 90), max_size=30), k=st.integers(1, 6), batch=st.integers(1, 6),
+       threshold=st.floats(0.05, 0.95), seed=st.integers(0, 20),
+       budgets=st.lists(st.integers(1, 12), min_size=6, max_size=6))
+def test_fuzzed_confidences_every_strategy(tmp_path_factory, strategy, deviations, k, batch, threshold, seed,
+                                          budgets):
+    """Scripted deviations and confidences: exact output, invariants (I7 included) every round, and
+    every traced row's proposal length equal to the reference rule on its own confidences."""
+    target = tiny("llama")
+    want = [s[:b] for s, b in zip(oracle(target, PROMPTS, 12, [EOS]), budgets)]
+    draft = ScriptedDraft(target, deviate_at(deviations), confidence=confidence_hashed(seed))
+    path = tmp_path_factory.mktemp("trace") / "t.jsonl"
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=budgets, num_draft_tokens=k,
+                                batch_size=batch, strategy=strategy, draft_threshold=threshold, adaptive=False,
+                                check_invariants=True, trace=path)
+    assert result.sequences == want
+    assert check_trace(path) == []
+    lines = [json.loads(x) for x in open(path)]
+    for rnd in (x for x in lines if "round" in x):
+        for row in rnd["rows"]:
+            rule = reference_rounds.proposal_lengths([row["draft_confidence"]], [row["limit"]], threshold)
+            assert row["draft_limit"] == int(rule[0]) == len(row["drafted"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_rows_stop_at_different_steps(strategy):
+    """The scripted confidences really give rows of one round different proposal lengths, and the
+    flat verify (ragged) processes only the proposals."""
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(1, 0.1), confidence=confidence_hashed(5))
+    lengths = []
+
+    def spy(*args, **kwargs):
+        proposals = draft_round(*args, **kwargs)
+        lengths.append(list(proposals.proposed))
+        return proposals
+    draft_round = engine.draft_round
+    module = {"eqspec": "eqspec", "exspec": "eqspec", "ragged": "ragged"}[strategy]
+    import importlib
+    mod = importlib.import_module(f"specbatch.fast.strategies.{module}")
+    original = mod.draft_round
+    mod.draft_round = spy
+    try:
+        result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=4, batch_size=6,
+                                    strategy=strategy, draft_threshold=0.5, adaptive=False)
+    finally:
+        mod.draft_round = original
+    assert result.sequences == oracle(target, PROMPTS, 12, [EOS])
+    assert any(len(set(r)) > 1 for r in lengths if len(r) > 1)
+    assert result.stats["drafted_tokens"] == sum(sum(r) for r in lengths)
+
+
+def test_the_default_controller_is_exact_and_plain_steps_happen():
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(2, 0.6), confidence=confidence_hashed(1, 0.5, 0.99))
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=4, batch_size=6,
+                                strategy="ragged", check_invariants=True)
+    assert result.sequences == oracle(target, PROMPTS, 12, [EOS])
+    assert result.stats["rounds"] >= 12 / 5
+
+
+def neighbour_rule(monkeypatch):
+    """Mutant: a row's proposal length follows the next row's confidences."""
+    original = engine.draft_round
+
+    def draft_round(step_forward, settings, clamp, requests, content, device):
+        def shifted(step, ids):
+            return step_forward(step, ids)
+        proposals = original(shifted, settings, clamp, requests, content, device)
+        proposals.proposed = np.roll(proposals.proposed, 1) if len(proposals.proposed) > 1 else proposals.proposed
+        proposals.proposed = np.minimum(proposals.proposed, proposals.steps)
+        return proposals
+    for name in ("eqspec", "ragged"):
+        monkeypatch.setattr(f"specbatch.fast.strategies.{name}.draft_round", draft_round)
+
+
+def verify_past_proposal(monkeypatch):
+    """Mutant: the verify lets a row accept past its own proposal (up to the round's longest)."""
+    from specbatch.fast import sampling
+    from specbatch.fast.verify import greedy_accept
+
+    def verify(self, logits, drafted, q, limit, requests, first_position):
+        choice = logits.argmax(dim=-1)
+        return choice, greedy_accept(drafted, choice, torch.full_like(limit, drafted.shape[1]))
+
+    def verify_flat(self, logits, layout, drafted, q, limit, requests, first_position):
+        choice = logits.argmax(dim=-1)[layout]
+        return choice, greedy_accept(drafted, choice, torch.full_like(limit, drafted.shape[1]))
+    monkeypatch.setattr(sampling.Greedy, "verify", verify)
+    monkeypatch.setattr(sampling.Greedy, "verify_flat", verify_flat)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mutant", [neighbour_rule, verify_past_proposal])
+def test_mutants_of_the_proposal_rule_are_caught(monkeypatch, tmp_path, strategy, mutant):
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(1, 0.1), confidence=confidence_hashed(5))
+    kwargs = dict(max_new_tokens=12, num_draft_tokens=4, batch_size=6, strategy=strategy, draft_threshold=0.5,
+                  adaptive=False)
+    mutant(monkeypatch)
+    expected = "I7" if mutant is neighbour_rule else "I5"
+    with pytest.raises(InvariantError) as caught:
+        specbatch.generate(target, draft, PROMPTS, check_invariants=True, **kwargs)
+    assert caught.value.violations[0].invariant == expected
+    path = tmp_path / "t.jsonl"
+    specbatch.generate(target, draft, PROMPTS, trace=path, **kwargs)
+    assert any(v.invariant == expected for v in check_trace(path))
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "ragged"])
+def test_reference_with_scripted_confidences_equals_greedy(strategy):
+    """The NumPy reference applies the same rule and stays exact (its own toy LM)."""
+    target = ToyLM(vocab_size=VOCAB, dim=16, n_layers=2, seed=1)
+    from specbatch.reference import ScriptedDraft as RefScripted, greedy_decode
+    prompts = [RNG.integers(0, VOCAB, n).tolist() for n in (1, 7, 19, 4)]
+    want = [greedy_decode(target, p, 10, (EOS,)) for p in prompts]
+    draft = RefScripted(target, deviate_hashed(3, 0.2), confidence=confidence_hashed(2))
+    result = reference_generate(target, draft, prompts, max_new_tokens=10, k=4, eos_ids=(EOS,), strategy=strategy,
+                                batch_size=3, check=True, threshold=0.5)
+    assert result.sequences == want
+    fixed = reference_generate(target, draft, prompts, max_new_tokens=10, k=4, eos_ids=(EOS,), strategy=strategy,
+                               batch_size=3)
+    assert fixed.sequences == want and result.stats["drafted_tokens"] < fixed.stats["drafted_tokens"]
