@@ -139,14 +139,14 @@ class Clock:
 class Proposals:
     """One round's drafting: drafted [R, steps] (tokens of every step run; a row's proposals are its
     first `proposed` ones, the rest are never accepted), q [R, steps, V] for rejection sampling, the
-    confidences [R, steps] the rule saw, each row's limit min(k, remaining - 1, cap) and the cap."""
+    confidences [R, steps] the rule saw, each row's limit min(k, remaining - 1, cap) and cap."""
 
     drafted: torch.Tensor
     q: torch.Tensor | None
     confidence: torch.Tensor | None
     proposed: np.ndarray
     limit: np.ndarray
-    cap: int
+    caps: np.ndarray
     steps: int
 
     @property
@@ -161,8 +161,8 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     step_forward(step, ids) -> the draft's logits [R, V] at each row's last query; ids is None at
     step 0 (the engine feeds each row's pending tokens), then the previous proposals [R, 1].
     clamp: each row's min(k, remaining - 1). Drafting stops as soon as no row proposes."""
-    cap = settings.controller.cap(requests.tolist(), clamp) if settings.controller else int(clamp.max())
-    limit = np.minimum(clamp, cap)
+    caps = settings.controller.row_caps(requests.tolist(), clamp) if settings.controller else np.asarray(clamp)
+    limit = np.minimum(clamp, caps)
     rows = len(clamp)
     steps, dists, confidences = [], [], []
     active, proposed = limit > 0, np.zeros(rows, dtype=np.int64)
@@ -183,7 +183,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     drafted = torch.cat(steps, dim=1) if steps else torch.zeros(rows, 0, dtype=torch.long, device=device)
     q = torch.stack(dists, dim=1) if steps and settings.chooser.needs_q else None
     confidence = torch.stack(confidences, dim=1) if steps else None
-    return Proposals(drafted, q, confidence, proposed, limit, cap, len(steps))
+    return Proposals(drafted, q, confidence, proposed, limit, np.asarray(caps), len(steps))
 
 
 def record_round(settings: Settings, clock, requests, proposals: Proposals, accepted, verify_tokens: int) -> None:
@@ -272,9 +272,9 @@ def observe_round(settings: Settings, found: list, round_index: int, rows: dict,
             pad_len=int(rows["pad_len"][i]), content_len=int(rows["content_len"][i]),
             positions=[int(x) for x in queries[i][0]], mask=mask_strings(queries[i][1]),
             drafted=drafted[i, :p[i]].tolist(), target_argmax=host_choice[i, :p[i] + 1].tolist(),
-            draft_limit=int(p[i]), limit=int(proposals.limit[i]),
-            draft_confidence=[round(float(c), 6) for c in confidence[i]], accepted=int(accepted[i]),
-            committed=list(committed[i]), finished=bool(finished[i])) for i in range(len(p))], cap=proposals.cap)
+            draft_limit=int(p[i]), cap=int(proposals.caps[i]), limit=int(proposals.limit[i]),
+            draft_confidence=[float(c) for c in confidence[i]], accepted=int(accepted[i]),
+            committed=list(committed[i]), finished=bool(finished[i])) for i in range(len(p))])
 
 
 def rect_queries(positions, mask, proposed) -> list:

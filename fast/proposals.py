@@ -2,7 +2,7 @@
 
 The rule (proofs_notes/proposals.md), evaluated step by step while drafting:
 
-    limit_i = min(k, remaining_i - 1, cap)        budget clamp, and the round's cap
+    limit_i = min(k, remaining_i - 1, cap_i)      budget clamp, and the row's cap this round
     row i proposes its (j+1)-th token at draft step j  <=>  it proposed at every earlier step,
         j < limit_i, and confidence_ij >= threshold
 
@@ -13,11 +13,11 @@ a round in which no row proposes is a plain target step; the verify covers each 
 proposals only (a flat forward in the ragged layout; in rectangular layouts the longer rows' width,
 whose extra columns the shorter rows never accept: their limit is their own p_i).
 
-`cap` is k unless the cost-aware controller (DraftController, adaptive=True) lowers it for the
-round: it fits the measured seconds of draft steps and verify forwards to the batch size and the
-number of verified tokens, estimates each row's chance to propose and to be accepted from the row's
-own history, and picks the cap with the most expected committed tokens per second, 0 (a plain
-target step) included. The cap depends on the batch and the machine: greedy and coupled outputs
+`cap` is k unless the cost-aware controller (DraftController, adaptive=True) lowers it: it fits
+the measured seconds of draft steps and verify forwards to the batch size and the number of
+verified tokens, estimates each row's chance to propose and to be accepted from the row's own
+recent history, and gives each row the cap whose proposals are expected to pay for their verify
+tokens and draft steps; a round where every cap is 0 is a plain target step. The cap depends on the batch and the machine: greedy and coupled outputs
 cannot change (any proposal is verified), but rejection-sampled outputs with a fixed seed would,
 so adaptive defaults to off there (their distribution is exact either way).
 """
@@ -62,10 +62,20 @@ class LinearCost:
 
 
 class RowHistory:
-    """Counts behind a row's chance to propose another token and to have it accepted."""
+    """A row's recent proposals, counted with exponential forgetting (DECAY per round it drafts)."""
+
+    DECAY = 0.9
 
     def __init__(self):
-        self.proposed = self.stopped = self.accepted = self.rejected = 0
+        self.proposed = self.stopped = self.accepted = self.rejected = 0.0
+
+    def add(self, proposed: int, stopped: bool, accepted: int) -> None:
+        for name in ("proposed", "stopped", "accepted", "rejected"):
+            setattr(self, name, getattr(self, name) * self.DECAY)
+        self.proposed += proposed
+        self.stopped += stopped
+        self.accepted += accepted
+        self.rejected += accepted < proposed
 
     def rates(self, prior: "RowHistory | None" = None, weight: float = 2.0) -> tuple[float, float]:
         """(g, a): P(propose at a step it reaches), P(accepted | proposed, earlier ones accepted),
@@ -77,7 +87,15 @@ class RowHistory:
 
 
 class DraftController:
-    """Chooses the round's cap (0..k) from measured costs and each row's history (module doc)."""
+    """Chooses each row's cap for the round from measured costs and the row's history.
+
+    A row's j-th proposal pays when its chance to be accepted is worth the verify token it costs:
+    a^j x (seconds per token of a plain target step) >= (marginal seconds of one more verified
+    token); the round then drafts as many steps as some row's cap, dropping the last step while
+    what the rows expect from it does not cover one draft step. Every PROBE_EVERY rounds each row
+    may propose at least one token, so a row's history keeps being measured."""
+
+    PROBE_EVERY = 16
 
     def __init__(self, k: int, adaptive: bool):
         self.k, self.adaptive = k, adaptive
@@ -85,36 +103,44 @@ class DraftController:
         self.rows: dict = {}
         self.pooled = RowHistory()
         self.rounds = 0
-        self.caps: list = []
+        self.caps: list = []  # the round's largest cap, per round (statistics)
 
-    def cap(self, requests, limit: np.ndarray) -> int:
-        """The largest proposal length allowed this round (limit: each row's min(k, remaining - 1))."""
+    def row_caps(self, requests, clamp: np.ndarray) -> np.ndarray:
+        """Each row's cap this round (clamp: the row's min(k, remaining - 1))."""
         self.rounds += 1
-        if not self.adaptive or self.k == 0 or not limit.max():
-            cap = int(limit.max()) if self.k else 0
+        clamp = np.asarray(clamp, dtype=np.int64)
+        if not self.adaptive or self.k == 0 or not clamp.max():
+            caps = clamp
         elif self.rounds == 1 or not self.draft_cost.points:
-            cap = self.k  # explore: the first rounds measure a full draft and a plain target step
+            caps = clamp  # explore: the first rounds measure a full draft and a plain target step
         elif not self.verify_cost.ready():
-            cap = 0
+            caps = np.zeros_like(clamp)
         else:
-            cap = self.best_cap([self.rows.get(int(r), RowHistory()) for r in requests], limit)
-        self.caps.append(cap)
-        return cap
+            caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp)
+            if self.rounds % self.PROBE_EVERY == 0:
+                caps = np.maximum(caps, np.minimum(clamp, 1))
+        self.caps.append(int(caps.max()) if len(caps) else 0)
+        return caps
 
-    def best_cap(self, histories, limit: np.ndarray) -> int:
+    def best_caps(self, histories, clamp: np.ndarray) -> np.ndarray:
         rows = len(histories)
+        step_seconds = max(self.verify_cost(rows), 1e-9) / rows  # a plain target step, per token
+        token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)  # one more verified token
+        draft_step = self.draft_cost(rows)
         rates = [h.rates(self.pooled) for h in histories]
-        best, best_rate = 0, rows / max(self.verify_cost(rows), 1e-9)
-        for cap in range(1, self.k + 1):
-            tokens = verified = 0.0
-            for (g, a), lim in zip(rates, limit):
-                steps = np.arange(1, min(cap, int(lim)) + 1)
-                tokens += 1 + float(((g * a) ** steps).sum())
-                verified += 1 + float((g ** steps).sum())
-            seconds = cap * self.draft_cost(rows) + self.verify_cost(verified)
-            if seconds > 0 and tokens / seconds > best_rate:
-                best, best_rate = cap, tokens / seconds
-        return best
+        caps = np.zeros(rows, dtype=np.int64)
+        for i, ((g, a), lim) in enumerate(zip(rates, clamp)):
+            while caps[i] < lim and a ** (caps[i] + 1) * step_seconds >= token_seconds:
+                caps[i] += 1
+        steps = int(caps.max(initial=0))
+        while steps > 0:  # the last draft step must pay for itself
+            gain = sum((g * a) ** steps * step_seconds - g ** steps * token_seconds
+                       for (g, a), c in zip(rates, caps) if c >= steps)
+            if gain >= draft_step:
+                break
+            steps -= 1
+            caps = np.minimum(caps, steps)
+        return caps
 
     def record(self, requests, proposed, accepted, reached_limit, rows: int, draft_steps: int, draft_seconds: float,
                verify_tokens: int, verify_seconds: float) -> None:
@@ -123,14 +149,10 @@ class DraftController:
         if draft_steps:
             self.draft_cost.add(rows, draft_seconds / draft_steps)
         self.verify_cost.add(verify_tokens, verify_seconds)
-        if not draft_steps:
-            return
         for r, p, acc, at_limit in zip(requests, proposed, accepted, reached_limit):
-            for h in (self.rows.setdefault(int(r), RowHistory()), self.pooled):
-                h.proposed += int(p)
-                h.stopped += int(not at_limit)
-                h.accepted += int(acc)
-                h.rejected += int(acc < p)
+            if p or not at_limit:  # the row drafted (or was stopped by its confidence): evidence
+                self.rows.setdefault(int(r), RowHistory()).add(int(p), not at_limit, int(acc))
+                self.pooled.add(int(p), not at_limit, int(acc))
 
     def forget(self, request: int) -> None:
         self.rows.pop(int(request), None)

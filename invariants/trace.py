@@ -5,13 +5,14 @@ A trace is JSONL:
 1. header: {"trace": "specbatch", "version": 2, "layout": "rectangular" | "ragged",
    "strategy": str, "eos_token_ids": [int], "max_new_tokens": int or [int] (one per request),
    "num_requests": int, "window": int | null, "num_draft_tokens": k, "draft_threshold": float}
-2. one line per round: {"round": r, "cap": int, "rows": [row, ...]} (cap: the round's largest
-   allowed proposal length) with, per row of the verify forward: request (id), prompt_len,
+2. one line per round: {"round": r, "rows": [row, ...]} with, per row of the verify forward:
+   request (id), prompt_len,
    tokens (the row as laid out: pads included for rectangular, the content for ragged), pad_len
    (0 for ragged), content_len (before the commit), positions (position ids of the row's own verify
    queries, p + 1 of them), mask (one string of '0'/'1' per such query over the KV slots), drafted
    (the row's p proposals), target_argmax (p + 1 ints), draft_limit (p, the row's proposal length),
-   limit (min(k, remaining - 1, cap)), draft_confidence (the draft's confidence at each step run),
+   cap (the row's cap this round: k, or lower from the cost controller), limit (min(k,
+   remaining - 1, cap)), draft_confidence (the draft's confidence at each step run),
    accepted, committed (the tokens committed this round), finished (bool).
 3. last line: {"results": [{"request": id, "tokens": [int], "stop_reason": "eos" | "length"}]}
 
@@ -56,8 +57,8 @@ class TraceWriter:
         self.file.write(json.dumps(obj) + "\n")
         self.file.flush()
 
-    def round(self, index: int, rows: list[dict], cap: int | None = None) -> None:
-        self._write({"round": index, "cap": cap, "rows": rows})
+    def round(self, index: int, rows: list[dict]) -> None:
+        self._write({"round": index, "rows": rows})
 
     def results(self, sequences, stop_reasons) -> None:
         self._write({"results": [{"request": i, "tokens": [int(t) for t in s], "stop_reason": r}
@@ -107,7 +108,7 @@ def budget(header: dict, request: int) -> int:
     return int(value[request]) if isinstance(value, list) else int(value)
 
 
-def _check_row(header: dict, row: dict, cap=None) -> list[Violation]:
+def _check_row(header: dict, row: dict) -> list[Violation]:
     layout = header["layout"]
     tokens, pad, content = row["tokens"], int(row["pad_len"]), int(row["content_len"])
     out = []
@@ -124,7 +125,7 @@ def _check_row(header: dict, row: dict, cap=None) -> list[Violation]:
                               [row["committed"]], [remaining], header["eos_token_ids"])
     if "draft_confidence" in row:  # version 2: the proposal rule (I7), from the row's own fields
         k = int(header.get("num_draft_tokens", 0))
-        limit = min(k, remaining - 1, int(cap) if cap is not None else k)
+        limit = min(k, remaining - 1, int(row.get("cap", k)))
         if int(row["limit"]) != max(limit, 0):
             out.append(Violation("I7", "the row's limit is not min(k, remaining - 1, cap)", expected=max(limit, 0),
                                  actual=int(row["limit"])))
@@ -151,7 +152,7 @@ def check_trace(path) -> list[Violation]:
         for rnd in rounds:
             for row in rnd["rows"]:
                 req = row["request"]
-                found = [v.at_round(rnd["round"]) for v in _check_row(header, row, rnd.get("cap"))]
+                found = [v.at_round(rnd["round"]) for v in _check_row(header, row)]
                 now = row["tokens"][int(row["pad_len"]):][: int(row["content_len"])]
                 if req in finished:
                     found.append(Violation("I6", "a finished request is still decoded", row=req, round=rnd["round"]))

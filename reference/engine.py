@@ -200,7 +200,8 @@ def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: 
                 request=row.request, prompt_len=row.prompt_len, tokens=state.tokens[i].tolist(), pad_len=int(pad[i]),
                 content_len=int(content[i]), positions=seen["positions"][i][:p + 1].tolist(),
                 mask=mask_strings(seen["allowed"][i][:p + 1]), drafted=drafted[i, :p].tolist(),
-                target_argmax=choice[i, :p + 1].tolist(), draft_limit=p, limit=int(limit[i]),
+                target_argmax=choice[i, :p + 1].tolist(), draft_limit=p, cap=round_cap(opt, round_index),
+                limit=int(limit[i]),
                 draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]), committed=committed[i],
                 finished=bool(hit_eos[i] or n[i] == remaining[i])))
         row.tokens = row.tokens + list(committed[i])
@@ -308,7 +309,7 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
                 tokens=state.content(row), pad_len=0, content_len=int(content[i]),
                 positions=seen["positions"][i][:p + 1].tolist(), mask=mask_strings(seen["allowed"][i][:p + 1]),
                 drafted=drafted[i, :p].tolist(), target_argmax=choice[i, :p + 1].tolist(), draft_limit=p,
-                limit=int(limit[i]), draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]),
+                cap=round_cap(opt, round_index), limit=int(limit[i]), draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]),
                 committed=committed[i], finished=bool(hit_eos[i] or n[i] == remaining[i])))
     ragged_commit(state, rows, committed)
     state.target_pending[rows] = 1
@@ -387,7 +388,7 @@ def generate(target, draft, prompts, *, max_new_tokens, k: int = 4, eos_ids=(), 
         stats["accepted_tokens"] += int(np.sum(accepted))
         stats["generated_tokens"] += int(np.sum(n))
         if writer is not None:
-            writer.round(stats["rounds"], trace_rows, cap=round_cap(opt, stats["rounds"]))
+            writer.round(stats["rounds"], trace_rows)
 
     if strategy in ("eqspec", "exspec"):
         pool = ExspecPool(batch_size, window=batch_size if strategy == "eqspec" else (pool_window or 4 * batch_size),

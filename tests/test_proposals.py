@@ -57,23 +57,25 @@ def test_linear_cost_fits_and_the_controller_prefers_cheap_likely_drafts():
     for x in (1, 2, 5, 8):
         cost.add(x, 0.010 + 0.002 * x)
     assert cost(10) == pytest.approx(0.030)
-    rows = 4
-    controller = DraftController(k=4, adaptive=True)
-    for _ in range(3):
-        controller.draft_cost.add(rows, 0.001)
-    for tokens in (rows, 2 * rows, 5 * rows):
-        controller.verify_cost.add(tokens, 0.050 + 0.0005 * tokens)  # a verify token is cheap: drafting pays
-    for r in range(rows):
-        controller.record([r], [4], [4], [True], rows, 4, 0.004, 5, 0.06)  # every row proposes and is accepted
-    assert controller.best_cap([controller.rows[r] for r in range(rows)], np.full(rows, 4)) == 4
-    costly = DraftController(k=4, adaptive=True)
-    for _ in range(3):
-        costly.draft_cost.add(rows, 0.05)  # a draft step as dear as a target step
-    for tokens in (rows, 2 * rows, 5 * rows):
-        costly.verify_cost.add(tokens, 0.050 + 0.01 * tokens)
-    for r in range(rows):
-        costly.record([r], [4], [0], [True], rows, 4, 0.2, 5, 0.1)  # proposals always rejected
-    assert costly.best_cap([costly.rows[r] for r in range(rows)], np.full(rows, 4)) == 0  # a plain target step
+
+    def controller(draft_step, per_token, accepted):
+        c = DraftController(k=4, adaptive=True)
+        for _ in range(3):
+            c.draft_cost.add(4, draft_step)
+        for tokens in (4, 8, 20):
+            c.verify_cost.add(tokens, 0.050 + per_token * tokens)
+        for r in range(4):
+            for _ in range(5):
+                c.record([r], [4], [accepted[r]], [True], 4, 4, 4 * draft_step, 5, 0.06)
+        return c.best_caps([c.rows[r] for r in range(4)], np.full(4, 4))
+
+    # cheap verify tokens and drafts, every proposal accepted: every row drafts its whole limit
+    assert list(controller(0.001, 0.0005, [4, 4, 4, 4])) == [4, 4, 4, 4]
+    # a draft step as dear as a target step and proposals always rejected: a plain target step
+    assert list(controller(0.05, 0.01, [0, 0, 0, 0])) == [0, 0, 0, 0]
+    # moderate costs: the rows whose proposals are accepted draft, the others do not
+    caps = controller(0.002, 0.004, [4, 4, 0, 0])
+    assert caps[0] > 0 and caps[1] > 0 and caps[2] == caps[3] == 0
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
