@@ -86,6 +86,32 @@ class RowHistory:
         return g, a
 
 
+class DepthHistory:
+    """Acceptance by draft depth, pooled over rows: runs of accepted drafts are not independent (a
+    prompt-lookup match that held for one token tends to hold for the next), so the chance that the
+    d-th proposal is accepted, given the earlier ones were, grows with d. `factors` scales a row's
+    own rate to each depth."""
+
+    DECAY = 0.98
+
+    def __init__(self, k: int):
+        self.reached = np.zeros(k)  # proposals at depth d whose earlier proposals were all accepted
+        self.accepted = np.zeros(k)
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.reached *= self.DECAY
+        self.accepted *= self.DECAY
+        depth = np.arange(len(self.reached))
+        self.reached += (depth < proposed) & (depth <= accepted)
+        self.accepted += depth < min(accepted, proposed)
+
+    def factors(self, weight: float = 2.0) -> np.ndarray:
+        """Per depth: (pooled rate at depth d) / (pooled rate at depth 0), shrunk towards 1."""
+        overall = (self.accepted.sum() + 1.0) / (self.reached.sum() + 2.0)
+        rate = (self.accepted + weight * overall) / (self.reached + weight)
+        return rate / rate[0] if len(rate) else rate
+
+
 class DraftController:
     """Chooses each row's cap for the round from measured costs and the row's history.
 
@@ -102,6 +128,7 @@ class DraftController:
         self.verify_cost, self.draft_cost = LinearCost(), LinearCost()
         self.rows: dict = {}
         self.pooled = RowHistory()
+        self.depths = DepthHistory(k)
         self.rounds = 0
         self.caps: list = []  # the round's largest cap, per round (statistics)
 
@@ -127,16 +154,22 @@ class DraftController:
         step_seconds = max(self.verify_cost(rows), 1e-9) / rows  # a plain target step, per token
         token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)  # one more verified token
         draft_step = self.draft_cost(rows)
-        rates = [h.rates(self.pooled) for h in histories]
+        factors = self.depths.factors()
         caps = np.zeros(rows, dtype=np.int64)
-        for i, ((g, a), lim) in enumerate(zip(rates, clamp)):
-            while caps[i] < lim and a ** (caps[i] + 1) * step_seconds >= token_seconds:
+        propose = np.zeros((rows, self.k))  # P(row proposes d+1 tokens), given its cap allows it
+        accept = np.zeros((rows, self.k))  # P(those d+1 proposals are all accepted)
+        for i, h in enumerate(histories):
+            g, a = h.rates(self.pooled)
+            propose[i] = g ** np.arange(1, self.k + 1)
+            accept[i] = np.cumprod(np.minimum(a * factors, 0.98))
+            while caps[i] < clamp[i] and accept[i, caps[i]] * step_seconds >= token_seconds:
                 caps[i] += 1
         steps = int(caps.max(initial=0))
         while steps > 0:  # the last draft step must pay for itself
-            gain = sum((g * a) ** steps * step_seconds - g ** steps * token_seconds
-                       for (g, a), c in zip(rates, caps) if c >= steps)
-            if gain >= draft_step:
+            drafting = caps >= steps
+            gain = (propose[drafting, steps - 1] * (accept[drafting, steps - 1] * step_seconds - token_seconds)).sum()
+            reached = propose[drafting, steps - 2] if steps > 1 else np.ones(drafting.sum())
+            if gain >= draft_step * (1 - np.prod(1 - reached)):  # the step runs if some row still drafts
                 break
             steps -= 1
             caps = np.minimum(caps, steps)
@@ -153,6 +186,7 @@ class DraftController:
             if p or not at_limit:  # the row drafted (or was stopped by its confidence): evidence
                 self.rows.setdefault(int(r), RowHistory()).add(int(p), not at_limit, int(acc))
                 self.pooled.add(int(p), not at_limit, int(acc))
+                self.depths.add(int(p), int(acc))
 
     def forget(self, request: int) -> None:
         self.rows.pop(int(request), None)
