@@ -16,12 +16,9 @@ import torch
 
 import specbatch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-
 def imposed_pair():
-    from test_sampling import P_TABLE, Q_TABLE, ImposedLM
-    return ImposedLM(P_TABLE), ImposedLM(Q_TABLE), [[0]] * 20000, P_TABLE, Q_TABLE
+    from specbatch.fast.drafts import IMPOSED_P, IMPOSED_Q, ImposedLM
+    return ImposedLM(IMPOSED_P), ImposedLM(IMPOSED_Q), [[0]] * 20000, IMPOSED_P, IMPOSED_Q
 
 
 def main():
@@ -34,7 +31,7 @@ def main():
     parser.add_argument("--k", type=int, default=2)
     args = parser.parse_args()
     if args.target:
-        from specbatch.cli import encode_prompts, load_pair, read_prompt_file
+        from specbatch.prepare import encode_prompts, load_pair, read_prompt_file
         ns = SimpleNamespace(target=args.target, draft=args.draft, dtype="float32", device="cpu")
         target, draft, tok = load_pair(ns)
         prompts = encode_prompts([t for _, t in read_prompt_file(args.prompts)], tok, True)

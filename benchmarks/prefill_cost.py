@@ -24,7 +24,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     from specbatch.bench import first_per_category, prompt_categories
-    from specbatch.cli import encode_prompts, read_prompt_file
+    from specbatch.prepare import encode_prompts, read_prompt_file
     from specbatch.fast import prefill
     from specbatch.fast.attention import engine_attention
     from specbatch.fast.engine import Settings

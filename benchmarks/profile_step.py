@@ -31,7 +31,7 @@ CATEGORIES = {  # operator name -> part of the step
 
 def load_ids(args):
     from specbatch.bench import first_per_category, prompt_categories
-    from specbatch.cli import encode_prompts, read_prompt_file
+    from specbatch.prepare import encode_prompts, read_prompt_file
     from specbatch.fast.loading import load_model
     model, tokenizer = load_model(args.target, args.dtype)
     prompts = read_prompt_file(args.prompts)

@@ -3,13 +3,42 @@
 `ScriptedDraft(target, rule)` proposes the target's own greedy continuation except where
 `rule(next_index, token)` fires (the rules of specbatch.reference.drafts, e.g. `deviate_at` or
 `deviate_hashed`), so any acceptance pattern can be produced on purpose, with real caches.
+`ImposedLM(table)` is a "model" whose next-token distribution is given outright, for the exact
+distribution tests of sampling (tests/test_sampling.py, benchmarks/acceptance_modes.py).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import torch
 
 from ..reference.drafts import DeviateRule
-from .models import cache_argument
+from .models import WeightlessLM, cache_argument
+
+# Two imposed distributions over 3 tokens, table[position, previous token] (positions past 2 reuse 2)
+IMPOSED_P = np.array([[[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]],
+                      [[0.1, 0.7, 0.2], [0.5, 0.1, 0.4], [0.25, 0.25, 0.5]],
+                      [[0.4, 0.4, 0.2], [0.2, 0.2, 0.6], [0.7, 0.2, 0.1]]])
+IMPOSED_Q = np.array([[[0.1, 0.2, 0.7], [0.6, 0.2, 0.2], [0.3, 0.6, 0.1]],
+                      [[0.5, 0.1, 0.4], [0.2, 0.2, 0.6], [0.6, 0.3, 0.1]],
+                      [[0.1, 0.1, 0.8], [0.5, 0.4, 0.1], [0.2, 0.6, 0.2]]])
+
+
+class ImposedLM(WeightlessLM):
+    """A "model" whose next-token distribution is table[position, previous token]; it keeps a dummy
+    cache entry per token so the engine's cache bookkeeping runs as for a real model."""
+
+    def __init__(self, table):
+        table = np.asarray(table)
+        super().__init__(table.shape[-1], "imposed")
+        self.register_buffer("log_table", torch.tensor(table).log())
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, logits_to_keep=0, **kw):
+        dummy = torch.zeros(input_ids.shape[0], 1, input_ids.shape[1], 1, dtype=torch.float64)
+        cache.update(dummy, dummy, 0)
+        logits = self.log_table[position_ids.clamp(max=self.log_table.shape[0] - 1), input_ids]
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
 def confident_logits(logits: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:

@@ -141,7 +141,11 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str = "c
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{spec} is not a Hugging Face model folder (no config.json)")
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        except Exception as e:  # no weights, truncated or corrupt files, an unknown architecture
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ModelLoadError(f"cannot load the model in {spec}: {first}") from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except (OSError, ValueError):
@@ -156,7 +160,21 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str = "c
                                  f"{str(e).splitlines()[0]}") from None
     else:
         raise ModelLoadError(f"no such model folder or file: {spec}")
-    return model.to(device).eval(), tokenizer
+    return model.to(check_device(device)).eval(), tokenizer
+
+
+def check_device(device: str) -> str:
+    """The device string if torch can use it here, else ModelLoadError naming it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"--device {device!r} is not a device torch knows (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"--device {device}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def truncated_draft(target, num_layers: int = 2):
@@ -193,6 +211,10 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
         count = spec.split(":", 1)[1]
         if not count.isdigit() or int(count) < 1:
             raise ModelLoadError(f"truncated:N needs a positive number of layers, got {spec!r}")
+        layers = target.config.num_hidden_layers
+        if int(count) >= layers:
+            raise ModelLoadError(f"{spec}: the target has {layers} layers; a truncated draft keeps fewer "
+                                 f"(truncated:1 .. truncated:{layers - 1})")
         return truncated_draft(target, int(count)), None
     full_head = spec.endswith("-full") and spec[: -len("-full")] in DISTILLED_DRAFTS
     if spec in DISTILLED_DRAFTS or full_head:

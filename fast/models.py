@@ -114,6 +114,11 @@ def check_pair(target, draft, target_tokenizer=None, draft_tokenizer=None) -> No
                          f"draft has {vocab_size(draft)}")
     if target.device != draft.device:
         raise ValueError(f"target is on {target.device} but draft is on {draft.device}; put both on one device")
+    weights = [next(iter(m.parameters()), None) for m in (target, draft)]  # lookup drafts have none
+    dtypes = [w.dtype if w is not None else None for w in weights]
+    if None not in dtypes and dtypes[0] != dtypes[1]:
+        raise ValueError(f"target is {str(dtypes[0]).removeprefix('torch.')} but draft is "
+                         f"{str(dtypes[1]).removeprefix('torch.')}; load both in one dtype")
     if target_tokenizer is not None and draft_tokenizer is not None \
             and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise ValueError("target and draft tokenizers have different vocabularies")

@@ -27,7 +27,9 @@ from collections import deque
 
 import numpy as np
 
-DEFAULT_THRESHOLD = 0.3
+from ..options import DEFAULTS
+
+DEFAULT_THRESHOLD = DEFAULTS["draft_threshold"]
 
 
 def proposal_lengths(confidence: np.ndarray, limit: np.ndarray, threshold: float) -> np.ndarray:

@@ -85,6 +85,8 @@ def read_trace(path) -> tuple[dict, list[dict], dict | None]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise TraceError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+                if not isinstance(obj, dict):
+                    raise TraceError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
                 if header is None:
                     if obj.get("trace") != "specbatch":
                         raise TraceError(f"{path}:{number}: not a specbatch trace (no header line)")
@@ -97,9 +99,97 @@ def read_trace(path) -> tuple[dict, list[dict], dict | None]:
                     raise TraceError(f"{path}:{number}: line is neither a round nor the results")
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not a text file") from None
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read ({e.strerror})") from None
     if header is None:
         raise TraceError(f"{path}: empty trace")
+    validate_schema(path, header, rounds, results)
     return header, rounds, results
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _ints(x) -> bool:
+    return isinstance(x, list) and all(_is_int(v) for v in x)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+HEADER_FIELDS = {  # field: (check, what it must be)
+    "version": (lambda x: x in (1, TRACE_VERSION), f"1 or {TRACE_VERSION}"),
+    "layout": (lambda x: x in ("rectangular", "ragged"), "'rectangular' or 'ragged'"),
+    "strategy": (lambda x: isinstance(x, str), "a string"),
+    "eos_token_ids": (_ints, "a list of integers"),
+    "max_new_tokens": (lambda x: _is_int(x) or _ints(x), "an integer or a list of integers"),
+    "num_requests": (lambda x: _is_int(x) and x >= 0, "a non-negative integer"),
+    "window": (lambda x: x is None or _is_int(x), "an integer or null"),
+}
+HEADER_FIELDS_V2 = {
+    "num_draft_tokens": (lambda x: _is_int(x) and x >= 0, "a non-negative integer"),
+    "draft_threshold": (_number, "a number"),
+}
+ROW_FIELDS = {
+    "request": (_is_int, "an integer"), "prompt_len": (_is_int, "an integer"), "tokens": (_ints, "a list of integers"),
+    "pad_len": (_is_int, "an integer"), "content_len": (_is_int, "an integer"),
+    "positions": (_ints, "a list of integers"),
+    "mask": (lambda x: isinstance(x, list) and all(isinstance(m, str) and set(m) <= {"0", "1"} for m in x),
+             "a list of '0'/'1' strings"),
+    "drafted": (_ints, "a list of integers"), "target_argmax": (_ints, "a list of integers"),
+    "draft_limit": (_is_int, "an integer"), "accepted": (_is_int, "an integer"),
+    "committed": (_ints, "a list of integers"),
+}
+ROW_FIELDS_V2 = {
+    "limit": (_is_int, "an integer"), "cap": (_is_int, "an integer"),
+    "draft_confidence": (lambda x: isinstance(x, list) and all(_number(v) for v in x), "a list of numbers"),
+}
+RESULT_FIELDS = {"request": (_is_int, "an integer"), "tokens": (_ints, "a list of integers"),
+                 "stop_reason": (lambda x: x in ("eos", "length"), "'eos' or 'length'")}
+
+
+def _require(obj, fields: dict, where: str) -> None:
+    for name, (ok, what) in fields.items():
+        if name not in obj:
+            raise TraceError(f"{where}: field {name!r} is missing")
+        if not ok(obj[name]):
+            raise TraceError(f"{where}: field {name!r} must be {what}, got {obj[name]!r}"[:300])
+
+
+def validate_schema(path, header: dict, rounds: list, results: dict | None) -> None:
+    """The trace's structure (fields present, types right), before any invariant is checked:
+    TraceError naming the line's kind and the field."""
+    _require(header, HEADER_FIELDS, f"{path}: header")
+    v2 = header["version"] >= 2
+    if v2:
+        _require(header, HEADER_FIELDS_V2, f"{path}: header")
+    if isinstance(header["max_new_tokens"], list) and len(header["max_new_tokens"]) != header["num_requests"]:
+        raise TraceError(f"{path}: header: field 'max_new_tokens' has {len(header['max_new_tokens'])} entries for "
+                         f"{header['num_requests']} requests")
+    for rnd in rounds:
+        where = f"{path}: round {rnd.get('round')!r}"
+        if not _is_int(rnd.get("round")):
+            raise TraceError(f"{where}: field 'round' must be an integer")
+        if not isinstance(rnd.get("rows"), list):
+            raise TraceError(f"{where}: field 'rows' must be a list of rows")
+        for i, row in enumerate(rnd["rows"]):
+            if not isinstance(row, dict):
+                raise TraceError(f"{where}, row {i}: must be an object")
+            _require(row, ROW_FIELDS, f"{where}, row {i}")
+            if v2:
+                _require(row, ROW_FIELDS_V2, f"{where}, row {i}")
+            if not 0 <= row["request"] < header["num_requests"]:
+                raise TraceError(f"{where}, row {i}: field 'request' is {row['request']}, not a request of the "
+                                 f"header's {header['num_requests']}")
+    if results is not None:
+        if not isinstance(results.get("results"), list):
+            raise TraceError(f"{path}: results line: field 'results' must be a list")
+        for i, r in enumerate(results["results"]):
+            if not isinstance(r, dict):
+                raise TraceError(f"{path}: results line, entry {i}: must be an object")
+            _require(r, RESULT_FIELDS, f"{path}: results line, entry {i}")
 
 
 def budget(header: dict, request: int) -> int:
@@ -141,7 +231,8 @@ def _check_row(header: dict, row: dict) -> list[Violation]:
 def check_trace(path) -> list[Violation]:
     """All violations in a trace, in order (round by round; final results last).
 
-    Raises TraceError when the file cannot be read as a trace."""
+    Raises TraceError when the file cannot be read as a trace or its structure is wrong
+    (validate_schema: a missing or mistyped field, an unknown layout)."""
     header, rounds, results = read_trace(path)
     eos = header["eos_token_ids"]
     content: dict = {}  # request -> content after its last round

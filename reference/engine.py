@@ -20,7 +20,7 @@ from .pool import ExspecPool, SlotQueue
 from .rounds import commit_counts, committed_tokens, greedy_accept, proposal_lengths, ragged_commit, softmax_max
 from .state import RaggedState, RectState, query_mask
 
-STRATEGIES = ("eqspec", "exspec", "ragged")
+from ..options import DEFAULTS, STRATEGIES  # the registry the torch engine, API and CLI share
 
 
 @dataclass
@@ -356,9 +356,9 @@ def _new_rows(prompts, max_new, requests, target, draft, opt):
     return rows
 
 
-def generate(target, draft, prompts, *, max_new_tokens, k: int = 4, eos_ids=(), strategy: str = "eqspec",
-             batch_size: int = 4, pad_id: int = 0, window: int | None = None, pool_window: int | None = None,
-             max_wait: int = 4, arrival=None, check: bool = False, trace=None, threshold: float = 0.0,
+def generate(target, draft, prompts, *, max_new_tokens, k: int = DEFAULTS["num_draft_tokens"], eos_ids=(),
+             strategy: str = DEFAULTS["strategy"], batch_size: int = DEFAULTS["batch_size"], pad_id: int = 0, window: int | None = None, pool_window: int | None = None,
+             max_wait: int = DEFAULTS["max_wait"], arrival=None, check: bool = False, trace=None, threshold: float = 0.0,
              caps=None) -> ReferenceResult:
     """Reference batch speculative decoding; `draft=None` is target-only decoding.
 

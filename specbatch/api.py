@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import time
 
 import torch
 
 from .fast.attention import engine_attention
 from .fast.kernels import compiled_blocks, prepacked_linears
-from .fast.proposals import DEFAULT_THRESHOLD, DraftController
+from .fast.proposals import DraftController
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
 from .invariants import TraceWriter
+from .options import (DEFAULTS, STRATEGIES, OptionError, check_arrivals, check_int, check_probability, check_seed,
+                      check_temperature, check_token_id, check_token_ids, check_top_k, check_top_p)
 
-STRATEGIES = ("eqspec", "exspec", "ragged")
-BROKEN = ("bsp-like", "dsd-like")  # deliberately wrong, for the bench's correctness table only
+BROKEN = ("bsp-like", "dsd-like")  # deliberately wrong: generate_variant (bench, tests) only
 
 
 def _prompt_ids(prompts, tokenizer, vocab: int) -> list[list[int]]:
@@ -27,28 +29,32 @@ def _prompt_ids(prompts, tokenizer, vocab: int) -> list[list[int]]:
             if tokenizer is None:
                 raise ValueError(f"prompt {i} is a string; pass tokenizer= to encode strings")
             prompt = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        ids = [int(t) for t in prompt]
+        if not isinstance(prompt, (list, tuple)) and not hasattr(prompt, "tolist"):
+            raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
         if not ids:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
-        out.append(ids)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ValueError(f"prompt {i} has token id {t!r}, not an integer")
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt {i} has token id {t} outside the vocabulary [0, {vocab})")
+        out.append([int(t) for t in ids])
     return out
 
 
 def _positive(name: str, value, allow_list: bool = False):
     values = list(value) if allow_list and isinstance(value, (list, tuple)) else [value]
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_int(name, v)
 
 
-def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 5, batch_size: int = 8,
-             strategy: str = "eqspec", eos_token_id=None, pad_token_id=None, tokenizer=None,
-             draft_tokenizer=None, check_invariants: bool = False, trace=None, progress: bool = False,
-             pool_window: int | None = None, max_wait: int = 4, on_result=None, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed=0,
+def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = DEFAULTS["num_draft_tokens"],
+             batch_size: int = DEFAULTS["batch_size"], strategy: str = DEFAULTS["strategy"], eos_token_id=None,
+             pad_token_id=None, tokenizer=None, draft_tokenizer=None, check_invariants: bool = False, trace=None,
+             progress: bool = False, pool_window: int | None = None, max_wait: int = DEFAULTS["max_wait"],
+             on_result=None, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed=DEFAULTS["seed"],
              sampling: str = "rejection", arrivals=None, request_ids=None, prepack: bool = True,
              compile: bool = False, draft_threshold: float | None = None, adaptive: bool | None = None
              ) -> GenerationResult:
@@ -58,17 +64,19 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     prompts: token-id lists, or strings with tokenizer=. Request id = index in prompts.
     max_new_tokens: int, or one per prompt. eos_token_id: int or list; default: every id in
     target.generation_config.eos_token_id. Results come back in input order.
-    strategy: "eqspec" (realign every round), "exspec" (pool of same-length groups; pool_window
-    rows, default 4 x batch_size, and max_wait rounds of bounded waiting), "ragged" (per-row
-    offsets, no realignment, continuous refill).
+    strategy: "ragged" (default: per-row offsets, no realignment, continuous refill), "eqspec"
+    (realign every round), "exspec" (pool of same-length groups; pool_window rows, default
+    4 x batch_size, and max_wait rounds of bounded waiting). Defaults: specbatch.options.DEFAULTS,
+    the same as the CLI's.
     temperature 0 is greedy; otherwise tokens are sampled after temperature / top_k / top_p (the same
     processors for target and draft): sampling="rejection" keeps the target's distribution exactly,
     sampling="coupled" equals target-only coupled sampling with the same seed token for token.
-    seed: int, or one per prompt; randomness is keyed by (seed, request, position), never by slot.
+    seed: int in [0, 2^63), or one per prompt; randomness is keyed by (seed, request, position),
+    never by slot.
     check_invariants: check I1-I6 every round (slow; raises invariants.InvariantError).
     trace: path of a JSONL round trace (invariants.trace format).
-    arrivals: optional arrival time (seconds after the start, nondecreasing) per request, for latency
-    benchmarks: a request is not scheduled before it arrives; request_stats then hold its latency.
+    arrivals: optional arrival time (seconds after the start, finite, nondecreasing) per request, for
+    latency benchmarks: a request is not scheduled before it arrives; request_stats then hold its latency.
     request_ids: the ids that key sampling randomness (default: the prompt indices); data-parallel
     shards pass global ids so that sharding cannot change sampled outputs.
     on_result: called as on_result(request, tokens, stop_reason, rounds) when a request finishes.
@@ -77,40 +85,65 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     num_draft_tokens: k, the most tokens a row proposes in a round. How many it does propose is
     decided per row (fast.proposals): it stops when the draft's confidence (probability of its most
     likely next token) falls below draft_threshold (default 0.3; 0: never), and adaptive=True lets a
-    cost-aware controller cap the round's proposals from measured step costs and each row's history
-    (0 caps make a plain target step). adaptive=None: on, except for rejection sampling (where a cap
-    that depends on batch and timing would make seeded outputs depend on them). Fixed k:
+    cost-aware controller cap each row's proposals from measured step costs and the row's history
+    (all caps 0 make a plain target step). adaptive=None: on, except for rejection sampling (where a
+    cap that depends on batch and timing would make seeded outputs depend on them). Fixed k:
     draft_threshold=0, adaptive=False.
     compile: torch.compile (inductor) the MLP blocks and normalisation layers, compiled code cached
     on disk (fast.kernels.compiled_blocks). Measured on the 2-core CPU: slower than prepack (README).
+    Bad arguments raise ValueError (specbatch.options.OptionError for numbers) naming the argument.
     """
-    if strategy not in STRATEGIES + BROKEN:
+    if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    return _generate(**locals())
+
+
+def generate_variant(target, draft, prompts, *, variant: str, **options) -> GenerationResult:
+    """The deliberately broken bsp-like / dsd-like variants (bench's correctness table and the tests
+    that show the checkers catch them), with generate's arguments. Never for real outputs."""
+    if variant not in BROKEN:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(BROKEN)}")
+    options.setdefault("num_draft_tokens", DEFAULTS["num_draft_tokens"])
+    options.setdefault("batch_size", DEFAULTS["batch_size"])
+    return _generate(target, draft, prompts, strategy=variant, **options)
+
+
+def _generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int, batch_size: int, strategy: str,
+              eos_token_id=None, pad_token_id=None, tokenizer=None, draft_tokenizer=None,
+              check_invariants: bool = False, trace=None, progress: bool = False, pool_window: int | None = None,
+              max_wait: int = DEFAULTS["max_wait"], on_result=None, temperature: float = 0.0,
+              top_k: int | None = None, top_p: float | None = None, seed=DEFAULTS["seed"],
+              sampling: str = "rejection", arrivals=None, request_ids=None, prepack: bool = True,
+              compile: bool = False, draft_threshold: float | None = None, adaptive: bool | None = None
+              ) -> GenerationResult:
+    check_temperature(temperature)
     if sampling not in ("rejection", "coupled"):
         raise ValueError(f"unknown sampling mode {sampling!r}; expected 'rejection' or 'coupled'")
     if top_k is not None:
-        _positive("top_k", top_k)
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if arrivals is not None and (len(arrivals) != len(prompts) or any(b < a for a, b in zip(arrivals, arrivals[1:]))):
-        raise ValueError("arrivals must give one nondecreasing time per prompt")
-    if draft_threshold is not None and (isinstance(draft_threshold, bool) or not isinstance(draft_threshold, (int, float))
-                                        or not 0 <= draft_threshold <= 1):
-        raise ValueError(f"draft_threshold must be a probability in [0, 1], got {draft_threshold!r}")
-    if isinstance(seed, (list, tuple)) and len(seed) != len(prompts):
-        raise ValueError(f"seed has {len(seed)} entries for {len(prompts)} prompts")
+        check_top_k(top_k)
+    if top_p is not None:
+        check_top_p(top_p)
+    if draft_threshold is not None:
+        check_probability("draft_threshold", draft_threshold)
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a non-empty list of token-id lists (or strings with tokenizer=)")
+    check_seed(seed, len(prompts))
+    if arrivals is not None:
+        arrivals = check_arrivals(arrivals, len(prompts))
     _positive("num_draft_tokens", num_draft_tokens)
     _positive("batch_size", batch_size)
     if pool_window is not None:
         _positive("pool_window", pool_window)
-    if isinstance(max_wait, bool) or not isinstance(max_wait, int) or max_wait < 0:
-        raise ValueError(f"max_wait must be a non-negative integer, got {max_wait!r}")
+    check_int("max_wait", max_wait, 0)
     _positive("max_new_tokens", max_new_tokens, allow_list=True)
     check_pair(target, draft, tokenizer, draft_tokenizer)
     from .fast.models import vocab_size
-    ids = _prompt_ids(prompts, tokenizer, vocab_size(target))
+    vocab = vocab_size(target)
+    if eos_token_id is not None:
+        eos_token_id = list(check_token_ids("eos_token_id", eos_token_id, vocab))
+    if pad_token_id is not None:
+        check_token_id("pad_token_id", pad_token_id, vocab)
+    ids = _prompt_ids(prompts, tokenizer, vocab)
     max_new = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(ids)
     if len(max_new) != len(ids):
         raise ValueError(f"max_new_tokens has {len(max_new)} entries for {len(ids)} prompts")
@@ -145,7 +178,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     pad_id = pad_token_id if pad_token_id is not None else (getattr(target.config, "pad_token_id", None) or 0)
     stats = Stats()
     writer = None
-    threshold = float(DEFAULT_THRESHOLD if draft_threshold is None else draft_threshold) if k else 0.0
+    threshold = float(DEFAULTS["draft_threshold"] if draft_threshold is None else draft_threshold) if k else 0.0
     if adaptive is None:
         adaptive = not (temperature and sampling == "rejection")
     if trace is not None:
@@ -182,13 +215,15 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     run = {"eqspec": eqspec.run, "ragged": ragged.run, "bsp-like": broken.run_bsp_like,
            "dsd-like": broken.run_dsd_like,
            "exspec": functools.partial(exspec.run, pool_window=pool_window, max_wait=max_wait)}[strategy]
-    with torch.inference_mode(), engine_attention(target, draft), \
-            compiled_blocks(target, draft, enabled=compile) as compiled, \
-            prepacked_linears(target, draft, enabled=prepack, skip=compiled):
-        run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
+    try:
+        with torch.inference_mode(), engine_attention(target, draft), \
+                compiled_blocks(target, draft, enabled=compile) as compiled, \
+                prepacked_linears(target, draft, enabled=prepack, skip=compiled):
+            run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
+    finally:  # an error (or Ctrl-C) leaves no half-drawn bar in front of its message
+        if bar is not None:
+            bar.close()
     stats.time_total = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
     stats.target_tokens_processed = target_runner.tokens_processed
     stats.draft_tokens_processed = draft_runner.tokens_processed if draft_runner else 0
     sequences = [results[r][0] for r in range(len(ids))]

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
-from .cli import engine_options, proposal_options
+from .options import STRATEGIES
+from .errors import UserError
+from .prepare import encode_prompts, engine_options, load_pair, proposal_options, read_prompt_file
 
-SPEC_METHODS = ("eqspec", "exspec", "ragged")
+SPEC_METHODS = STRATEGIES
 BROKEN_METHODS = ("bsp-like", "dsd-like")  # deliberately broken variants: the correctness table
 BATCH_ONE = ("spec1", "hf-assisted")
 KNOWN = ("ar",) + BATCH_ONE + SPEC_METHODS + BROKEN_METHODS
@@ -63,12 +65,16 @@ def run_method(method, batch, target, draft, ids, args, eos_ids):
     if method == "hf-assisted":
         return hf_assisted(target, draft, ids, args.max_new_tokens, args.num_draft_tokens, eos_ids)
     # ar: target-only decoding through the ragged engine, the same forward path and options as every method
-    strategy = method if method in SPEC_METHODS + BROKEN_METHODS else ("ragged" if method == "ar" else "eqspec")
+    strategy = method if method in SPEC_METHODS else ("ragged" if method == "ar" else "eqspec")
     # the broken variants reproduce published mistakes, which drafted k tokens in every row every round
-    proposal = dict(draft_threshold=0.0, adaptive=False) if method in BROKEN_METHODS else proposal_options(args)
-    result = specbatch.generate(target, None if method == "ar" else draft, ids, max_new_tokens=args.max_new_tokens,
-                                num_draft_tokens=args.num_draft_tokens, batch_size=1 if method == "spec1" else batch,
-                                strategy=strategy, progress=True, **engine_options(args), **proposal)
+    common = dict(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                  batch_size=1 if method == "spec1" else batch, progress=True, **engine_options(args))
+    if method in BROKEN_METHODS:
+        from .api import generate_variant
+        result = generate_variant(target, draft, ids, variant=method, draft_threshold=0.0, adaptive=False, **common)
+    else:
+        result = specbatch.generate(target, None if method == "ar" else draft, ids, strategy=strategy,
+                                    **common, **proposal_options(args))
     return result.sequences, result.stats
 
 
@@ -126,8 +132,14 @@ def plot(rows, out_dir: Path) -> list[str]:
 
 def prompt_categories(path) -> list[str]:
     """The `category` of each line of a JSONL prompt file (Spec-Bench has one; "all" where missing)."""
-    return [json.loads(line).get("category", "all")
-            for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in Path(path).read_bytes().decode("utf-8-sig").split("\n") if line.strip()]
+    try:
+        objects = [json.loads(line) for line in lines]
+    except json.JSONDecodeError:
+        objects = None
+    if objects is None or not all(isinstance(o, dict) for o in objects):
+        raise UserError(f"--per-category needs a JSONL prompt file (objects with a 'category'); {path} is not one")
+    return [str(o.get("category", "all")) for o in objects]
 
 
 def first_per_category(categories: list[str], count: int) -> list[int]:
@@ -223,7 +235,7 @@ def arrival_table(rows, rate) -> str:
     return "\n".join(lines)
 
 
-def run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError) -> int:
+def run_bench(args) -> int:
     import specbatch
     from .fast.models import eos_ids_of
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

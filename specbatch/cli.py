@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-STRATEGY_CHOICES = ("eqspec", "exspec", "ragged")
-
-
-class UserError(Exception):
-    """A problem with the user's input: reported in one line, exit code 2."""
+from .errors import UserError
+from .options import (DEFAULTS, STRATEGIES, OptionError, check_arrival_rate, check_seed, check_temperature,
+                      check_top_p)
+from .prepare import encode_prompts, engine_options, load_pair, read_prompt_file, run_generate
 
 
 class Parser(argparse.ArgumentParser):
@@ -41,6 +40,21 @@ def probability(text: str) -> float:
     return value
 
 
+def checked(check, kind: str):
+    """An argparse type from a check of specbatch.options: the same verdict as the API's."""
+    def parse(text: str):
+        try:
+            value = int(text) if kind == "int" else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind == 'int' else 'a number'}, "
+                                             f"got {text!r}") from None
+        try:
+            return check(value)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
 def int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -51,97 +65,32 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-# ---------------------------------------------------------------- shared pieces
-
-def load_pair(args):
-    """(target, draft or None, tokenizer) as the arguments say, with errors as UserError."""
-    from transformers.utils import logging as hf_logging
-
-    from .fast.loading import ModelLoadError, load_draft, load_model
-    from .fast.models import check_pair
-    hf_logging.disable_progress_bar()  # our own bars only: errors stay one line
-    try:
-        target, tokenizer = load_model(args.target, args.dtype, args.device)
-        draft, draft_tokenizer = load_draft(args.draft, target, args.dtype, args.device)
-        check_pair(target, draft, tokenizer, draft_tokenizer)
-    except (ModelLoadError, ValueError) as e:
-        raise UserError(str(e)) from None
-    return target, draft, tokenizer
-
-
-def encode_prompts(texts, tokenizer, chat_template: bool) -> list[list[int]]:
-    if tokenizer is None:
-        raise UserError("the target has no tokenizer: text prompts cannot be encoded")
-    out = []
-    for text in texts:
-        if chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(text)["input_ids"]
-        out.append(list(ids))
-    return out
-
-
-def sampling_kwargs(args) -> dict:
-    kw = {}
-    if args.temperature:
-        kw.update(temperature=args.temperature, seed=args.seed, sampling=args.sampling)
-        if args.top_k:
-            kw["top_k"] = args.top_k
-        if args.top_p:
-            kw["top_p"] = args.top_p
-    return kw
-
-
-def engine_options(args) -> dict:
-    """Options of the forward path, the same for a method and its target-only baseline."""
-    return dict(prepack=not getattr(args, "no_prepack", False), compile=getattr(args, "compile", False))
-
-
-def proposal_options(args) -> dict:
-    """How far rows draft: --draft-threshold (default 0.3) and --fixed-k (no threshold, no controller)."""
-    if getattr(args, "fixed_k", False):
-        return dict(draft_threshold=0.0, adaptive=False)
-    threshold = getattr(args, "draft_threshold", None)
-    return {} if threshold is None else dict(draft_threshold=threshold)
-
-
-def run_generate(target, draft, ids, args, **extra):
-    import specbatch
-    try:
-        return specbatch.generate(target, draft, ids, max_new_tokens=args.max_new_tokens,
-                                  num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
-                                  strategy=args.strategy, **sampling_kwargs(args), **engine_options(args),
-                                  **proposal_options(args), **extra)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
-def read_prompt_file(path):
-    from .io import InputError, read_prompts
-    try:
-        return read_prompts(path)
-    except InputError as e:
-        raise UserError(str(e)) from None
-
-
 # ---------------------------------------------------------------- commands
 
 def cmd_generate(args) -> int:
     from . import distributed
-    from .io import ResultWriter, read_done
-    rank, size = distributed.init_from_env(args.device)
-    args.device = distributed.local_device(args.device)
+    from .io import InputError, ResultWriter, check_output_path, read_done
+    try:  # everything about the files before any model is loaded
+        if args.out:
+            check_output_path(args.out, "--out", {"--prompts": args.prompts, "--trace": args.trace})
+        if args.trace:
+            check_output_path(args.trace, "--trace", {"--prompts": args.prompts, "--out": args.out})
+    except InputError as e:
+        raise UserError(str(e)) from None
     prompts = read_prompt_file(args.prompts)
-    target, draft, tokenizer = load_pair(args)
-    ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
     order = [ident for ident, _ in prompts]
+    rank, size = distributed.init_from_env(args.device)
     parts = [f"{args.out}.part{r}" for r in range(size)] if args.out else []
     previous = {}
     if args.resume and args.out:
-        for path in [args.out] + parts:
-            previous.update(read_done(path))
+        try:
+            for path in [args.out] + parts:
+                previous.update(read_done(path, known_ids=order))
+        except InputError as e:
+            raise UserError(str(e)) from None
+    args.device = distributed.local_device(args.device)
+    target, draft, tokenizer = load_pair(args)
+    ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
     todo = [i for i, ident in enumerate(order) if ident not in previous]
     mine = [todo[j] for j in distributed.shard(len(todo), rank, size)]  # all of todo when not distributed
     if previous and rank == 0:
@@ -167,6 +116,9 @@ def cmd_generate(args) -> int:
             result = run_generate(target, draft, [ids[i] for i in mine], args, on_result=record,
                                   progress=(rank == 0), trace=args.trace if size == 1 else None,
                                   request_ids=mine)
+    except OSError as e:  # the trace's disk filled or vanished; results flushed so far stay in --out
+        raise UserError(f"cannot write {e.filename or args.trace}: {e.strerror}; finished results are kept in "
+                        f"{args.out or 'stdout'} (run again with --resume)") from None
     finally:
         if writer is not None:
             writer.file.close() if size > 1 else writer.finish()
@@ -234,12 +186,15 @@ def cmd_check_trace(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import run_bench
-    return run_bench(args, load_pair, read_prompt_file, encode_prompts, UserError)
+    return run_bench(args)
 
 
 def cmd_demo(args) -> int:
     from .demo import run_demo
-    return run_demo(args)
+    try:
+        return run_demo(args)
+    except ValueError as e:  # e.g. --max-new-tokens past the models' context
+        raise UserError(str(e)) from None
 
 
 # ---------------------------------------------------------------- parser
@@ -270,21 +225,22 @@ def add_proposal_args(p):
 def add_decoding_args(p):
     add_proposal_args(p)
     p.add_argument("--prompts", required=True, help="JSONL (prompt or turns, optional id) or text, one per line")
-    p.add_argument("--strategy", default="ragged", choices=STRATEGY_CHOICES)
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--num-draft-tokens", type=positive_int, default=4)
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--strategy", default=DEFAULTS["strategy"], choices=STRATEGIES)
+    p.add_argument("--batch-size", type=positive_int, default=DEFAULTS["batch_size"])
+    p.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULTS["num_draft_tokens"])
+    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULTS["max_new_tokens"])
     p.add_argument("--chat-template", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=checked(check_temperature, "float"), default=0.0)
     p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=checked(check_top_p, "float"), default=None)
+    p.add_argument("--seed", type=checked(check_seed, "int"), default=DEFAULTS["seed"])
     p.add_argument("--sampling", default="rejection", choices=("rejection", "coupled"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="specbatch", description="Batch speculative decoding that is "
                                      "provably output-equivalent to target-only decoding.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("generate", help="generate for a prompt file, writing JSONL results")
@@ -318,12 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="ar,spec1,eqspec,exspec,ragged",
                    help="comma-separated: ar, spec1, eqspec, exspec, ragged, hf-assisted, and the deliberately "
                         "broken bsp-like, dsd-like (correctness table)")
-    p.add_argument("--num-draft-tokens", type=positive_int, default=4)
+    p.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULTS["num_draft_tokens"])
     add_proposal_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--repeats", type=positive_int, default=1)
     p.add_argument("--chat-template", action="store_true")
-    p.add_argument("--arrival-rate", type=float, default=None,
+    p.add_argument("--arrival-rate", type=checked(check_arrival_rate, "float"), default=None,
                    help="also run the Poisson-arrival latency benchmark at this many requests/s")
     p.add_argument("--compare", action="append", metavar="FILE",
                    help="another engine's results on the same prompts, with its timing (benchmarks/peer_vllm.py "
@@ -332,9 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="SmolLM2-135M-Instruct end to end: answers, speed, equivalence")
-    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=DEFAULTS["batch_size"])
     p.add_argument("--max-new-tokens", type=positive_int, default=48)
-    p.add_argument("--num-draft-tokens", type=positive_int, default=4)
+    p.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULTS["num_draft_tokens"])
     p.add_argument("--draft", default="smollm2-draft+lookup", help="draft (the --draft forms of generate); "
                    "default: the distilled draft with prompt lookup in front")
     p.add_argument("--offline", action="store_true", help="skip the download; use tiny random models")
@@ -348,11 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .io import InputError, OutputError
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except UserError as e:
+    except (UserError, InputError, OutputError) as e:
+        if args.debug:
+            raise
         print(f"specbatch {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

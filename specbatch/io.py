@@ -3,6 +3,10 @@
 Prompt files: JSONL with `prompt` (or Spec-Bench style `turns`, whose first turn is used) and an
 optional `id` (`question_id` is taken too), or plain text with one prompt per line.
 
+Files are read strictly: UTF-8 (a byte-order mark is dropped), lines split on \n only, a `.jsonl`
+file is JSON objects, result lines are checked before a resume trusts them. Output paths are
+checked before anything runs (check_output_path): never a prompt file, a symlink or a device.
+
 Result files: JSONL, one line per request. Each line is written and flushed as soon as its request
 finishes (completion order), so an interrupted run keeps everything it finished; at the end the
 file is rewritten in input order (atomically). `--resume` reads the lines already there, skips
@@ -16,22 +20,37 @@ from pathlib import Path
 
 
 class InputError(Exception):
-    """A problem with an input file; the message names the file and line."""
+    """A problem with an input file or an output path; the message names the file and line."""
+
+
+class OutputError(Exception):
+    """Writing results failed (a full disk, a lost folder); what was flushed before stays readable."""
+
+
+def _text_lines(path: Path, what: str) -> list[str]:
+    """The file's lines, split on \n only (a U+2028 or a form feed inside a line stays in it), a
+    UTF-8 byte-order mark dropped, \r\n line ends accepted."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not a UTF-8 text {what} (byte {e.start} cannot be decoded)") from None
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror}") from None
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 
 def read_prompts(path) -> list[tuple[str, str]]:
-    """[(id, text)] in file order."""
+    """[(id, text)] in file order. A `.jsonl` (or `.json`) file must hold one JSON object per line;
+    other files are JSONL when their first line starts with "{", else plain text, one prompt per line."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such prompt file: {path}")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a UTF-8 text file") from None
+    lines = _text_lines(path, "prompt file")
     numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not numbered:
         raise InputError(f"{path}: the prompt file is empty")
-    if not numbered[0][1].lstrip().startswith("{"):
+    is_jsonl = path.suffix.lower() in (".jsonl", ".json") or numbered[0][1].lstrip().startswith("{")
+    if not is_jsonl:
         return [(str(i), line) for i, (_, line) in enumerate(numbered)]
     prompts = []
     for i, (n, line) in enumerate(numbered):
@@ -48,6 +67,8 @@ def read_prompts(path) -> list[tuple[str, str]]:
         else:
             raise InputError(f"{path}:{n}: no 'prompt' string (or 'turns' list) in this line")
         ident = obj.get("id", obj.get("question_id", i))
+        if not isinstance(ident, (str, int)) or isinstance(ident, bool):
+            raise InputError(f"{path}:{n}: 'id' must be a string or an integer, got {ident!r}")
         prompts.append((str(ident), text))
     ids = [p[0] for p in prompts]
     if len(set(ids)) != len(ids):
@@ -56,20 +77,71 @@ def read_prompts(path) -> list[tuple[str, str]]:
     return prompts
 
 
-def read_done(path) -> dict:
-    """Results already in an output file, by id (a torn last line from a crash is ignored)."""
+def read_done(path, known_ids=None) -> dict:
+    """Results already in an output file, by id, each checked: a JSON object with a known `id` and
+    `token_ids` (a list of integers). A torn last line (a crash mid-write: no final newline) is
+    ignored; anything else malformed is an InputError, and so is an id the prompt file does not
+    have (resuming would drop that result)."""
     path = Path(path)
     done = {}
-    if not path.is_file():
+    if not path.exists():
         return done
-    for line in path.read_text(encoding="utf-8").splitlines():
+    if not path.is_file():
+        raise InputError(f"{path}: not a regular file")
+    lines = _text_lines(path, "results file")
+    last = len(lines) - 1  # after the final newline: "" (complete file) or a torn line
+    known = None if known_ids is None else set(known_ids)
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and "id" in obj:
-            done[str(obj["id"])] = obj
+        except json.JSONDecodeError as e:
+            if n - 1 == last:
+                continue  # the torn last line of an interrupted run
+            raise InputError(f"{path}:{n}: malformed result line ({e.msg}); fix or remove it to resume") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("id"), (str, int)) or isinstance(obj.get("id"), bool):
+            raise InputError(f"{path}:{n}: a result line must be a JSON object with an 'id'")
+        tokens = obj.get("token_ids")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise InputError(f"{path}:{n}: result {obj['id']!r} has no 'token_ids' list of integers; remove the "
+                             "line to generate it again")
+        ident = str(obj["id"])
+        if known is not None and ident not in known:
+            raise InputError(f"{path}:{n}: result id {ident!r} is not in the prompt file; refusing to resume "
+                             "(the result would be lost): use the prompt file it came from, or another --out")
+        if ident in done:
+            raise InputError(f"{path}:{n}: result id {ident!r} appears twice")
+        done[ident] = obj
     return done
+
+
+def check_output_path(path, what: str, others: dict) -> Path:
+    """Refuse an output path that is not ours to replace: an existing directory, device, FIFO or
+    socket, a symlink, or the same file as another input or output (`others`: {role: path}).
+    Its folder must exist and be writable. Checked before any model is loaded."""
+    path = Path(path)
+    if path.is_symlink():
+        raise InputError(f"{what} {path} is a symlink; give the path of a regular file (it would be replaced)")
+    if path.exists():
+        if path.is_dir():
+            raise InputError(f"{what} {path} is a directory")
+        if not path.is_file():
+            raise InputError(f"{what} {path} is not a regular file (a device, FIFO or socket); refusing to write it")
+    for role, other in others.items():
+        if other is None:
+            continue
+        other = Path(other)
+        same = os.path.abspath(path) == os.path.abspath(other) or (
+            path.exists() and other.exists() and os.path.samefile(path, other))
+        if same:
+            raise InputError(f"{what} {path} is the same file as {role}; it would be overwritten")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"{what} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"{what} {path}: not writable")
+    return path
 
 
 class ResultWriter:
@@ -83,18 +155,33 @@ class ResultWriter:
 
     def add(self, record: dict) -> None:
         self.results[record["id"]] = record
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as e:
+            raise OutputError(f"cannot write results to {self.path}: {e.strerror}; the results written before "
+                              "stay there (run again with --resume)") from None
 
     def finish(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:
+            pass  # the last line may be torn: read_done ignores it, --resume regenerates it
         self._rewrite()
 
     def _rewrite(self) -> None:
+        """Input order, written beside the file and renamed over it: a failure leaves the old file."""
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for ident in self.order:
-                if ident in self.results:
-                    f.write(json.dumps(self.results[ident]) + "\n")
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for ident in self.order:
+                    if ident in self.results:
+                        f.write(json.dumps(self.results[ident]) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"cannot rewrite {self.path} in input order: {e.strerror}; its results (in completion "
+                              "order) stay readable, and --resume completes them") from None

@@ -62,3 +62,27 @@ def oracle(model, prompts, max_new_tokens, eos_ids):
 # Speculative decoding with every row drafting its whole limit every round (no confidence threshold,
 # no cost controller): what tests of the drafting, verifying and cache machinery need to exercise it.
 FIXED_K = dict(draft_threshold=0.0, adaptive=False)
+
+
+# ---------------------------------------------------------------- model folders for the CLI
+
+WORDS = [f"w{i}" for i in range(VOCAB)]
+WORDS[0], WORDS[1], WORDS[EOS] = "<unk>", "<s>", "</s>"
+CHAT = "{% for m in messages %}<s> {{ m['content'] }} </s>{% endfor %}{% if add_generation_prompt %} <s>{% endif %}"
+
+
+def save_folder(path, model):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  pad_token="</s>")
+    tok.chat_template = CHAT
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+PROMPTS = ["w10 w11 w12 w13", "w20", "w30 w31 w32 w33 w34 w35 w36 w37 w38 w39 w40 w41 w42 w43 w44 w45",
+           "w50 </s> w52", "w60 w61"]

@@ -9,46 +9,8 @@ import torch
 
 import specbatch
 import specbatch.io
-from hf_models import EOS, VOCAB, hf_greedy, tiny
+from hf_models import EOS, PROMPTS, VOCAB, WORDS, hf_greedy, save_folder, tiny
 from specbatch.cli import main
-
-WORDS = [f"w{i}" for i in range(VOCAB)]
-WORDS[0], WORDS[1], WORDS[EOS] = "<unk>", "<s>", "</s>"
-CHAT = "{% for m in messages %}<s> {{ m['content'] }} </s>{% endfor %}{% if add_generation_prompt %} <s>{% endif %}"
-
-
-def save_folder(path, model):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                  pad_token="</s>")
-    tok.chat_template = CHAT
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return dict(target=save_folder(root / "target", tiny("llama", dtype=torch.float32)),
-                draft=save_folder(root / "draft", tiny("llama", layers=1, seed=9, dtype=torch.float32)),
-                other=save_folder(root / "other", tiny("llama", layers=1, seed=9, dtype=torch.float32,
-                                                       vocab_size=VOCAB + 4)))
-
-
-PROMPTS = ["w10 w11 w12 w13", "w20", "w30 w31 w32 w33 w34 w35 w36 w37 w38 w39 w40 w41 w42 w43 w44 w45",
-           "w50 </s> w52", "w60 w61"]
-
-
-@pytest.fixture()
-def prompt_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
-    return path
-
 
 def args(folders, prompt_file, *extra):
     return ["--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompt_file),

@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 
-from test_cli import PROMPTS, save_folder
-from hf_models import tiny
+from hf_models import PROMPTS, save_folder, tiny
 
 
 def free_port() -> int:

@@ -14,6 +14,7 @@ from specbatch.fast.engine import Clock, Settings, Stats
 from specbatch.fast.models import ModelRunner, mask_fill_value
 from specbatch.fast.strategies.ragged import RaggedEngine
 from specbatch.reference import deviate_hashed
+from profiles import examples
 
 RNG = np.random.default_rng(5)
 POOL = [RNG.integers(0, VOCAB, n).tolist() for n in (1, 14, 3, 40, 7, 2, 25, 9)]
@@ -85,5 +86,5 @@ class RaggedMachine(RuleBasedStateMachine):
             assert tokens == WANT[r], r
 
 
-RaggedMachine.TestCase.settings = settings(max_examples=4, stateful_step_count=15, deadline=None)
+RaggedMachine.TestCase.settings = settings(max_examples=examples(4), stateful_step_count=15, deadline=None)
 TestRaggedEngine = RaggedMachine.TestCase

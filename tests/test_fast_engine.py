@@ -14,6 +14,7 @@ from specbatch.fast.drafts import ScriptedDraft
 from specbatch.fast.equivalence import compare
 from specbatch.invariants import check_trace
 from specbatch.reference import RectState, confidence_hashed, deviate_at, deviate_hashed, eqspec_update
+from profiles import examples
 
 STRATEGIES = ["eqspec", "exspec", "ragged"]
 RNG = np.random.default_rng(0)
@@ -158,7 +159,7 @@ def replay_with_reference(trace_path):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @given(deviations=st.sets(st.integers(1, 60), max_size=25), k=st.integers(1, 8), batch=st.integers(1, 6),
        budgets=st.lists(st.integers(1, 14), min_size=6, max_size=6))
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 def test_fuzzed_acceptance_patterns_against_the_reference(tmp_path_factory, strategy, deviations, k, batch, budgets):
     target = tiny("llama")
     full = oracle(target, PROMPTS, 14, [EOS])

@@ -20,15 +20,15 @@ PROMPTS = [[1, 2, 3], [4, EOS, 6, 7, 8, 9], [10]]
     (dict(prompts=[[1], []]), "prompt 1 is empty"),
     (dict(prompts=[[1], [VOCAB + 3]]), f"prompt 1 has token id {VOCAB + 3} outside the vocabulary"),
     (dict(prompts=["hello"]), "prompt 0 is a string; pass tokenizer="),
-    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
     (dict(max_new_tokens=[3, 3]), "max_new_tokens has 2 entries for 3 prompts"),
-    (dict(num_draft_tokens=-1), "num_draft_tokens must be a positive integer"),
-    (dict(batch_size=0), "batch_size must be a positive integer"),
+    (dict(num_draft_tokens=-1), "num_draft_tokens must be an integer >= 1, got -1"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
     (dict(strategy="fastest"), "unknown strategy 'fastest'"),
-    (dict(prompts=[[1] * 500]), "prompt 0: 500 prompt tokens + 8 new + 5 draft tokens exceed the target's context of 512"),
-    (dict(temperature=-1.0), "temperature must be a number >= 0"),
+    (dict(prompts=[[1] * 501]), "prompt 0: 501 prompt tokens + 8 new + 4 draft tokens exceed the target's context of 512"),
+    (dict(temperature=-1.0), "temperature must be a finite number in [0.0, inf), got -1.0"),
     (dict(temperature=0.7, sampling="magic"), "unknown sampling mode"),
-    (dict(temperature=0.7, top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(temperature=0.7, top_p=1.5), "top_p must be a finite number in (0.0, 1.0], got 1.5"),
     (dict(temperature=0.7, seed=[1, 2]), "seed has 2 entries for 3 prompts"),
 ])
 def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
@@ -99,7 +99,7 @@ def test_check_invariants_names_the_broken_invariant(monkeypatch, mutant, invari
     mutant(monkeypatch)
     with pytest.raises(InvariantError) as caught:
         specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, num_draft_tokens=3, check_invariants=True,
-                           **FIXED_K)
+                           strategy="eqspec", **FIXED_K)  # the mutants are in eqspec's code
     v = caught.value.violations[0]
     assert v.invariant == invariant and v.round is not None and v.row is not None, str(caught.value)
 
@@ -113,10 +113,13 @@ def test_deliberately_broken_variants_collapse_and_are_caught(broken):
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (1, 9, 30, 3, 12, 2)]
     target = tiny("llama")
     draft = ScriptedDraft(target, deviate_hashed(2, 0.3))
-    result = specbatch.generate(target, draft, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=6,
-                                strategy=broken, **FIXED_K)
+    from specbatch.api import generate_variant
+    result = generate_variant(target, draft, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=6,
+                              variant=broken, **FIXED_K)
     want = oracle(target, prompts, 12, [EOS])
     assert sum(a == b for a, b in zip(result.sequences, want)) <= len(prompts) // 2
     with pytest.raises(InvariantError):
-        specbatch.generate(target, draft, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=6,
-                           strategy=broken, check_invariants=True, **FIXED_K)
+        generate_variant(target, draft, prompts, max_new_tokens=12, num_draft_tokens=3, batch_size=6,
+                         variant=broken, check_invariants=True, **FIXED_K)
+    with pytest.raises(ValueError, match="unknown strategy"):  # never through the public API
+        specbatch.generate(target, draft, prompts, max_new_tokens=12, strategy=broken)

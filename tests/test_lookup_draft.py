@@ -27,7 +27,8 @@ def lookup_rule(history: list[int], max_ngram: int) -> tuple[int, int]:
 @pytest.mark.parametrize("seed", range(6))
 def test_lookup_follows_the_rule_on_a_left_padded_batch(seed):
     rng = np.random.default_rng(seed)
-    rows = [rng.integers(0, 5, int(rng.integers(1, 30))).tolist() for _ in range(7)]  # small alphabet: many matches
+    alphabet = [0, 1, 2, 3, EOS]  # small, with the pad id in it: many matches, some of them pads in content
+    rows = [rng.choice(alphabet, int(rng.integers(1, 30))).tolist() for _ in range(7)]
     width = max(map(len, rows))
     pad_len = torch.tensor([width - len(r) for r in rows])
     ids = torch.tensor([[EOS] * (width - len(r)) + r for r in rows])  # the pad id is also a content token
@@ -76,3 +77,29 @@ def test_lookup_first_draft_proposes_the_copy_when_it_matches():
         plain = model(input_ids=ids, position_ids=torch.arange(6)[None], attention_mask=mask.double()).logits
     assert logits[0, -1].argmax().item() == 13 and logits[0, -1].max() - logits[0, -1].min() > 1e3
     torch.testing.assert_close(logits[0, :-1], plain[0, :-1])  # earlier positions: the model's own
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_lookup_never_matches_across_the_padding(strategy, tmp_path):
+    """Prompts with runs of the pad id (== EOS) in their content, next to longer prompts so that they
+    are left-padded with it: every request drafts exactly what it drafts alone at batch 1 (its rows
+    of the two traces agree round by round), and the output is greedy decoding."""
+    target = tiny("llama")
+    prompts = [[5, EOS, EOS], [9, 4, EOS, EOS, 8, EOS, EOS], list(range(10, 40)), [EOS, EOS], [3] * 25 + [EOS, EOS]]
+
+    def drafts(batch):
+        path = tmp_path / f"{strategy}-{batch}.jsonl"
+        result = specbatch.generate(target, PromptLookupDraft(VOCAB), prompts, max_new_tokens=8,
+                                    batch_size=batch, strategy=strategy, eos_token_id=[EOS], pad_token_id=EOS,
+                                    trace=path, draft_threshold=0.0, adaptive=False)
+        rounds = {}
+        for line in open(path):
+            obj = __import__("json").loads(line)
+            for row in obj.get("rows", []):
+                rounds.setdefault(row["request"], []).append(row["drafted"])
+        return result.sequences, rounds
+
+    alone_out, alone = drafts(1)
+    batch_out, batched = drafts(5)
+    assert alone_out == batch_out == oracle(target, prompts, 8, [EOS])
+    assert batched == alone

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from reference_cases import TARGET, cases, oracle
 from specbatch.invariants import check_composition, check_outputs, check_stop
 from specbatch.reference import STRATEGIES, ScriptedDraft, deviate_at, generate
+from profiles import examples
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -25,7 +26,7 @@ def test_every_strategy_equals_greedy_decoding_with_invariants_checked_every_rou
 
 @pytest.mark.parametrize("strategy", ["exspec", "ragged"])
 @given(case=cases(max_batch=10), data=st.data())
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 def test_results_do_not_depend_on_batch_size_window_or_arrival_order(strategy, case, data):
     """S4 (and S2: results in input order whatever the arrival order)."""
     base = generate(TARGET, case["draft"], case["prompts"], max_new_tokens=case["max_new_tokens"], k=case["k"],

@@ -1,17 +1,19 @@
 """Sampling: the exact target distribution (rejection mode), token identity with target-only
 sampling (coupled mode), keyed randomness (S4), and statistical tests with the power to reject
 plausible bugs."""
-from types import SimpleNamespace
+
+import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 import specbatch
 import specbatch.fast.sampling as sampling
 from hf_models import EOS, tiny
-from specbatch.fast.drafts import ScriptedDraft
-from specbatch.fast.models import WeightlessLM
+from specbatch.fast.drafts import IMPOSED_P, IMPOSED_Q, ImposedLM, ScriptedDraft
 from specbatch.reference import deviate_hashed
 from specbatch.reference import sampling as ref
 
@@ -63,6 +65,54 @@ def test_top_k_top_p_processing():
     np.testing.assert_allclose(nucleus[:2].numpy(), (probs[:2] / probs[:2].sum()).numpy())
 
 
+def stated_processor(logits, temperature, top_k, top_p):
+    """The processors as the documentation states them, one row at a time in plain Python: divide by
+    the temperature; keep the tokens whose logit is at least the k-th largest; then keep the most
+    likely tokens, in order, until their probability reaches top_p (the one that reaches it
+    included); renormalise."""
+    out = []
+    for row in logits.tolist():
+        scaled = [x / temperature for x in row]
+        kept = set(range(len(row)))
+        if top_k is not None:
+            kth = sorted(scaled, reverse=True)[min(top_k, len(row)) - 1]
+            kept = {i for i in kept if scaled[i] >= kth}
+        if top_p is not None:
+            z = sum(math.exp(scaled[i]) for i in kept)
+            mass, nucleus = 0.0, set()
+            for i in sorted(kept, key=lambda i: -scaled[i]):
+                if mass >= top_p:
+                    break
+                nucleus.add(i)
+                mass += math.exp(scaled[i]) / z
+            kept = nucleus
+        z = sum(math.exp(scaled[i]) for i in kept)
+        out.append([math.exp(scaled[i]) / z if i in kept else 0.0 for i in range(len(row))])
+    return np.array(out)
+
+
+@given(seed=st.integers(0, 10**6), vocab=st.integers(1, 40), top_k=st.one_of(st.none(), st.integers(1, 45)),
+       top_p=st.one_of(st.none(), st.floats(0.01, 1.0)), temperature=st.floats(0.2, 3.0))
+def test_processors_match_their_independent_statement(seed, vocab, top_k, top_p, temperature):
+    logits = torch.tensor(np.random.default_rng(seed).normal(0, 3, (3, vocab)))
+    got = sampling.processed_log_probs(logits, temperature, top_k, top_p).exp().numpy()
+    want = stated_processor(logits, temperature, top_k, top_p)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got > 0, want > 0)  # the same kept set: one token too few or many fails
+    np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "ragged"])
+@pytest.mark.parametrize("mode", ["rejection", "coupled"])
+def test_top_k_1_sampling_is_greedy_decoding(strategy, mode):
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(3, 0.4))
+    greedy = specbatch.generate(target, None, PROMPTS, max_new_tokens=10, eos_token_id=EOS)
+    sampled = specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, eos_token_id=EOS, temperature=1.3,
+                                 top_k=1, sampling=mode, strategy=strategy, batch_size=3, seed=5)
+    assert sampled.sequences == greedy.sequences
+
+
 # ---------------------------------------------------------------- the torch step against the NumPy step
 
 
@@ -90,27 +140,7 @@ def test_rejection_step_matches_the_reference_step():
 
 VOCAB3 = 3
 # imposed next-token tables [position, previous token, next token]: deliberately different p and q
-P_TABLE = np.array([[[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]],
-                    [[0.1, 0.7, 0.2], [0.5, 0.1, 0.4], [0.25, 0.25, 0.5]],
-                    [[0.4, 0.4, 0.2], [0.2, 0.2, 0.6], [0.7, 0.2, 0.1]]])
-Q_TABLE = np.array([[[0.1, 0.2, 0.7], [0.6, 0.2, 0.2], [0.3, 0.6, 0.1]],
-                    [[0.5, 0.1, 0.4], [0.2, 0.2, 0.6], [0.6, 0.3, 0.1]],
-                    [[0.1, 0.1, 0.8], [0.5, 0.4, 0.1], [0.2, 0.6, 0.2]]])
-
-
-class ImposedLM(WeightlessLM):
-    """A "model" whose next-token distribution is table[position, token]; it keeps a dummy cache
-    entry per token so the engine's cache bookkeeping runs as for a real model."""
-
-    def __init__(self, table):
-        super().__init__(VOCAB3, "imposed")
-        self.register_buffer("log_table", torch.tensor(table).log())
-
-    def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, logits_to_keep=0, **kw):
-        dummy = torch.zeros(input_ids.shape[0], 1, input_ids.shape[1], 1, dtype=torch.float64)
-        cache.update(dummy, dummy, 0)
-        logits = self.log_table[position_ids.clamp(max=2), input_ids]
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+P_TABLE, Q_TABLE = IMPOSED_P, IMPOSED_Q
 
 
 def joint_counts(sequences):

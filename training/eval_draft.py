@@ -93,7 +93,7 @@ def main(argv=None):
 
     import specbatch
     from specbatch.bench import first_per_category, prompt_categories
-    from specbatch.cli import encode_prompts
+    from specbatch.prepare import encode_prompts
     from specbatch.fast.loading import load_draft, load_model
     from specbatch.io import read_prompts
 

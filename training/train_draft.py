@@ -42,7 +42,7 @@ def read_jsonl(paths) -> dict:
 
 def load_examples(prompt_files, answer_files, tokenizer, max_len: int) -> list[tuple[str, list[int], int]]:
     """(id, prompt + answer token ids, index of the first answer token), answered prompts only."""
-    from specbatch.cli import encode_prompts  # the chat template exactly as `specbatch generate` applied it
+    from specbatch.prepare import encode_prompts  # the chat template exactly as `specbatch generate` applied it
 
     prompts, answers = read_jsonl(prompt_files), read_jsonl(answer_files)
     answered = [ident for ident, answer in answers.items() if ident in prompts and answer["token_ids"]]

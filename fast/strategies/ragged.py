@@ -277,4 +277,5 @@ class RaggedEngine:
 
 
 def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):
-    RaggedEngine(target, draft, prompts, max_new, settings, stats, clock, batch_size).run(on_done)
+    slots = min(batch_size, len(prompts))  # more slots than requests would only hold memory
+    RaggedEngine(target, draft, prompts, max_new, settings, stats, clock, slots).run(on_done)
