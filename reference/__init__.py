@@ -6,11 +6,11 @@ end-to-end generation with every strategy.
 """
 from .drafts import ScriptedDraft, confidence_hashed, deviate_at, deviate_hashed
 from .engine import STRATEGIES, ReferenceResult, generate
-from .pool import ExspecPool, SlotQueue
+from .pool import ExspecPool, FixedBatches, SlotQueue
 from .rounds import commit_counts, eqspec_update, greedy_accept, ragged_commit, realign_source
 from .state import RaggedState, RectState, query_mask
 from .toy_lm import ToyLM, greedy_decode
 
 __all__ = ["ToyLM", "greedy_decode", "ScriptedDraft", "deviate_at", "deviate_hashed", "confidence_hashed", "generate", "STRATEGIES",
-           "ReferenceResult", "ExspecPool", "SlotQueue", "greedy_accept", "commit_counts", "eqspec_update",
+           "ReferenceResult", "ExspecPool", "FixedBatches", "SlotQueue", "greedy_accept", "commit_counts", "eqspec_update",
            "realign_source", "ragged_commit", "RectState", "RaggedState", "query_mask"]

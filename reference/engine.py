@@ -16,7 +16,7 @@ import numpy as np
 
 from ..invariants import (TraceWriter, Violation, check_alignment, check_conservation, check_kv, check_mask, check_positions,
                           check_round_commit, mask_strings, raise_if)
-from .pool import ExspecPool, SlotQueue
+from .pool import ExspecPool, FixedBatches, SlotQueue
 from .rounds import commit_counts, committed_tokens, greedy_accept, proposal_lengths, ragged_commit, softmax_max
 from .state import RaggedState, RectState, query_mask
 
@@ -390,23 +390,38 @@ def generate(target, draft, prompts, *, max_new_tokens, k: int = DEFAULTS["num_d
         if writer is not None:
             writer.round(stats["rounds"], trace_rows)
 
-    if strategy in ("eqspec", "exspec"):
-        pool = ExspecPool(batch_size, window=batch_size if strategy == "eqspec" else (pool_window or 4 * batch_size),
-                          max_wait=max_wait if strategy == "exspec" else 0)
+    if strategy == "eqspec":
+        batches = FixedBatches(batch_size)
+        for r in order:
+            batches.submit(r)
+        live: dict = {}
+        while batches.queue or batches.running:
+            admitted = batches.next_batch()
+            for row in _new_rows(prompts, max_new, admitted, target, draft, opt):
+                live[row.request] = row
+            rows = [live[r] for r in batches.running]
+            stats["grouped_rounds" if len({r.key for r in rows}) == 1 else "fallback_rounds"] += 1
+            trace_rows = [] if writer is not None else None
+            lens = np.array([len(r.tokens) for r in rows])
+            accepted, k_round, proposed = rect_round(rows, target, draft, opt, stats["rounds"] + 1, trace_rows)
+            account(accepted, np.array([len(r.tokens) for r in rows]) - lens, proposed, trace_rows)
+            finished = [r.request for r in rows if r.stop_reason is not None]
+            for r in finished:
+                results[r] = live.pop(r)
+            batches.finish(finished)
+            if check:
+                raise_if(check_conservation(range(count), batches.members()), stats["rounds"])
+    elif strategy == "exspec":
+        pool = ExspecPool(batch_size, window=pool_window or 4 * batch_size, max_wait=max_wait)
         for r in order:
             pool.submit(r)
-        live: dict = {}
+        live = {}
         while pool.queue or pool.pool:
             admitted = pool.admit()
             for row in _new_rows(prompts, max_new, admitted, target, draft, opt):
                 live[row.request] = row
                 pool.enter(row.request, row.key)
-            if strategy == "eqspec":  # a fixed batch: everyone in the window runs every round
-                chosen = [r.request for r in pool.pool]
-                pool.running, pool.pool = pool.pool, []
-                grouped = len({live[r].key for r in chosen}) == 1
-            else:
-                chosen, grouped = pool.select()
+            chosen, grouped = pool.select()
             stats["grouped_rounds" if grouped else "fallback_rounds"] += 1
             stats["max_waited"] = max([stats["max_waited"]] + [r.waited for r in pool.pool])
             rows = [live[r] for r in chosen]

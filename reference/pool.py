@@ -1,4 +1,11 @@
-"""Scheduling as plain state machines: the EXSPEC sequence pool and the ragged slot queue.
+"""Scheduling as plain state machines: EQSPEC's fixed batches, the EXSPEC sequence pool and the
+ragged slot queue. The torch engine uses these same classes, so the reference states exactly the
+scheduling the fast engine runs (tests/test_scheduling.py checks their properties against
+independent statements, and the fast engine's traces against them).
+
+EQSPEC (FixedBatches): requests form batches of up to `batch_size` in arrival order; a batch runs
+until its last row finishes (finished rows leave at once, no zombie rows) and only then does the
+next batch start. No refill: that is EQSPEC's published design, which realigns one fixed batch.
 
 Every request is in exactly one of: queue (not prefilled), pool (prefilled, idle between rounds),
 running (in this round's batch) and done (S1). Both schedulers are FIFO at heart, which gives S3.
@@ -19,6 +26,35 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+
+@dataclass
+class FixedBatches:
+    """EQSPEC's scheduler: fixed batches in arrival order, the next one only when the last is empty."""
+
+    batch_size: int
+    queue: list = field(default_factory=list)
+    running: list = field(default_factory=list)
+    done: list = field(default_factory=list)
+
+    def submit(self, request: int) -> None:
+        self.queue.append(request)
+
+    def next_batch(self) -> list[int]:
+        """The next batch (the oldest queued requests), or [] while a batch still runs."""
+        if self.running:
+            return []
+        self.running, self.queue = self.queue[:self.batch_size], self.queue[self.batch_size:]
+        return list(self.running)
+
+    def finish(self, finished) -> None:
+        """Rows of the running batch that finished this round leave it."""
+        finished = set(finished)
+        self.done += [r for r in self.running if r in finished]
+        self.running = [r for r in self.running if r not in finished]
+
+    def members(self) -> dict:
+        return {"queue": list(self.queue), "running": list(self.running), "done": list(self.done)}
 
 
 @dataclass

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from ..cache import cache_width, gather_cache, rect_inputs
 from ..prefill import prefill_rectangle
 from ...invariants import check_alignment
+from ...reference.pool import FixedBatches
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, draft_round, dynamic_layer_kv,
                       observe_round, raise_violations, rect_queries, record_round)
 from ..verify import commit_counts, draft_pending_after
@@ -184,17 +185,21 @@ def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock
     order; a finished row leaves its batch at once (no zombie rows). batch_class: RectBatch, or a
     deliberately broken subclass (strategies.broken) for the bench's correctness table."""
     arrivals = settings.arrivals or Arrivals(len(prompts))
-    waiting: list = []
+    batches = FixedBatches(batch_size)  # the reference's scheduler (reference.pool)
     round_index = 0
-    while arrivals.pending() or waiting:
-        waiting += arrivals.due()
-        if not waiting:
+    while arrivals.pending() or batches.queue:
+        for r in arrivals.due():
+            batches.submit(r)
+        if not batches.queue:
             arrivals.wait()
             continue
-        requests, waiting = waiting[:batch_size], waiting[batch_size:]
+        requests = batches.next_batch()
         batch = (batch_class or RectBatch).prefill([prompts[r] for r in requests], requests,
                                                    [max_new[r] for r in requests], target, draft, settings, stats, clock)
         while batch.size:
             round_index += 1
+            finished = []
             for done in batch.round(round_index):
                 on_done(*done)
+                finished.append(done[0])
+            batches.finish(finished)

@@ -1,0 +1,111 @@
+"""Single-point mutants of the torch engine (and the schedulers it shares with the reference), each
+the kind of one-line bug a contributor could write. tests/mutation/run.py applies them one at a time
+and runs the listed tests; every mutant here changes outputs or reported statistics, so every one
+must be killed.
+
+Each entry: (id, area, file, original text, mutated text, tests to run). The original text must
+occur exactly once in the file.
+"""
+
+ENGINE = ["tests/test_fast_engine.py", "tests/test_fast_errors_and_checks.py"]
+RAGGED = ["tests/test_fast_engine.py", "tests/test_prefill_and_attention.py"]
+SAMPLING = ["tests/test_sampling.py"]
+LOOKUP = ["tests/test_lookup_draft.py"]
+PROPOSALS = ["tests/test_proposals.py"]
+SCHEDULING = ["tests/test_scheduling.py", "tests/test_fast_engine.py"]
+
+MUTANTS = [
+    # ---- masks
+    ("mask-no-self", "masks", "fast/cache.py",
+     "(slot[:, None, :] >= 0) & (slot[:, None, :] <= query[:, :, None])",
+     "(slot[:, None, :] >= 0) & (slot[:, None, :] < query[:, :, None])", ENGINE),
+    ("mask-sees-a-pad", "masks", "fast/cache.py",
+     "(slot[:, None, :] >= 0) & (slot[:, None, :] <= query[:, :, None])",
+     "(slot[:, None, :] >= -1) & (slot[:, None, :] <= query[:, :, None])", ENGINE),
+    ("mask-window-off-by-one", "masks", "fast/cache.py",
+     "visible &= slot[:, None, :] > query[:, :, None] - window",
+     "visible &= slot[:, None, :] >= query[:, :, None] - window", ENGINE),
+    ("ragged-mask-sees-future", "masks", "fast/strategies/ragged.py",
+     "    visible = slot <= q\n", "    visible = slot <= q + 1\n", RAGGED),
+    ("flat-mask-sees-future", "masks", "fast/attention.py",
+     "seen = (slot <= query[:, :, None]) & real[:, :, None]",
+     "seen = (slot <= query[:, :, None] + 1) & real[:, :, None]", RAGGED),
+    ("packed-prefill-across-prompts", "masks", "fast/prefill.py",
+     "visible = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])",
+     "visible = (segment[:, None] >= segment[None, :]) & (position[None, :] <= position[:, None])", RAGGED),
+    # ---- positions
+    ("rect-positions-shifted", "positions", "fast/cache.py",
+     "return query.clamp(min=0), mask[:, None]", "return (query + 1).clamp(min=0), mask[:, None]", ENGINE),
+    ("ragged-draft-step-position", "positions", "fast/strategies/ragged.py",
+     "query_index = content[:, None] + step - 1", "query_index = content[:, None] + step", RAGGED),
+    ("ragged-verify-position", "positions", "fast/strategies/ragged.py",
+     "query_index = content[:, None] - 1 + np.arange(width)[None, :]",
+     "query_index = content[:, None] + np.arange(width)[None, :]", RAGGED),
+    ("flat-verify-position", "positions", "fast/strategies/ragged.py",
+     "token_index = content[token_row] - 1 + j", "token_index = content[token_row] + j", RAGGED),
+    # ---- cache edits
+    ("eqspec-crop-not-realign", "cache", "fast/strategies/eqspec.py",
+     "gather_cache(self.target_cache, rows, source, new_width - 1)",
+     "gather_cache(self.target_cache, rows, None, new_width - 1)", ENGINE),
+    ("eqspec-shift-sign", "cache", "fast/strategies/eqspec.py",
+     "- torch.as_tensor(delta, device=self.settings.device)[:, None]).clamp(min=0)",
+     "+ torch.as_tensor(delta, device=self.settings.device)[:, None]).clamp(min=0)", ENGINE),
+    ("slot-pad-writes-slot-0", "cache", "fast/slot_cache.py",
+     "torch.where(query_index >= 0, query_index, torch.full_like(query_index, self.capacity))",
+     "torch.where(query_index >= 0, query_index, torch.zeros_like(query_index))", RAGGED),
+    ("draft-pending-after-full-accept", "cache", "fast/verify.py",
+     "return n - np.minimum(np.minimum(accepted, k - 1), n)", "return n - np.minimum(accepted, n)", ENGINE),
+    # ---- acceptance
+    ("accept-past-own-proposal", "acceptance", "fast/verify.py",
+     "(torch.arange(k, device=drafted.device)[None, :] < limit[:, None])",
+     "(torch.arange(k, device=drafted.device)[None, :] <= limit[:, None])", PROPOSALS + ENGINE),
+    ("accept-not-a-prefix", "acceptance", "fast/verify.py",
+     "return agree.long().cumprod(dim=1).sum(dim=1)", "return agree.long().sum(dim=1)", ENGINE),
+    ("rejection-ratio-inverted", "acceptance", "fast/sampling.py",
+     "ok = (u * q_d < p_d)", "ok = (u * p_d < q_d)", SAMPLING),
+    ("residual-is-p", "acceptance", "fast/sampling.py",
+     "r = (p - q).clamp(min=0)", "r = p.clamp(min=0)", SAMPLING),
+    # ---- EOS
+    ("eos-not-kept", "eos", "fast/verify.py",
+     "return torch.where(hit, first + 1, n), hit", "return torch.where(hit, first, n), hit", ENGINE),
+    ("eos-one-past-the-commit", "eos", "fast/verify.py",
+     "hit = first < n", "hit = first <= n", ENGINE),
+    ("eos-ignored-in-ragged", "eos", "fast/strategies/ragged.py",
+     "finished = (hit_eos == 1) | (n == remaining)", "finished = n == remaining", RAGGED),
+    # ---- budgets
+    ("commit-ignores-budget", "budgets", "fast/verify.py",
+     "n = torch.minimum(accepted + 1, remaining)", "n = accepted + 1", ENGINE),
+    ("ragged-draft-past-budget", "budgets", "fast/strategies/ragged.py",
+     "clamp = np.minimum(s.k, remaining - 1) if self.draft", "clamp = np.minimum(s.k, remaining) if self.draft",
+     RAGGED + PROPOSALS),
+    ("eqspec-draft-past-budget", "budgets", "fast/strategies/eqspec.py",
+     "clamp = np.minimum(s.k, remaining - 1) if self.draft", "clamp = np.minimum(s.k, remaining) if self.draft",
+     ENGINE + PROPOSALS),
+    # ---- scheduling
+    ("exspec-key-half-length", "scheduling", "fast/strategies/exspec.py",
+     "keys = {int(r): (int(c), 1,", "keys = {int(r): (int(c) // 2, 1,", SCHEDULING),
+    ("exspec-lone-row-is-a-group", "scheduling", "reference/pool.py",
+     "if len(best) >= max(min(2, size), math.ceil(self.min_group_fraction * size)):",
+     "if len(best) >= 1:", SCHEDULING),
+    ("eqspec-batch-one-too-many", "scheduling", "reference/pool.py",
+     "self.running, self.queue = self.queue[:self.batch_size], self.queue[self.batch_size:]",
+     "self.running, self.queue = self.queue[:self.batch_size + 1], self.queue[self.batch_size + 1:]", SCHEDULING),
+    # ---- sampling
+    ("top-k-one-too-few", "sampling", "fast/sampling.py",
+     "x = x.masked_fill(x < kth, float(\"-inf\"))", "x = x.masked_fill(x <= kth, float(\"-inf\"))", SAMPLING),
+    ("top-p-drops-the-crossing-token", "sampling", "fast/sampling.py",
+     "before = probs.cumsum(dim=-1) - probs", "before = probs.cumsum(dim=-1)", SAMPLING),
+    ("temperature-multiplies", "sampling", "fast/sampling.py",
+     "x = logits.double() / temperature", "x = logits.double() * temperature", SAMPLING),
+    # ---- lookup
+    ("lookup-across-padding", "lookup", "fast/lookup_draft.py",
+     "token = torch.where(visible, history, torch.full_like(history, -1))", "token = history", LOOKUP),
+    ("lookup-shortest-ngram-first", "lookup", "fast/lookup_draft.py",
+     "for n in range(max_ngram, min_ngram - 1, -1):", "for n in range(min_ngram, max_ngram + 1):", LOOKUP),
+    # ---- proposals
+    ("proposal-depends-on-neighbours", "proposals", "fast/engine.py",
+     "active &= (confidence >= settings.threshold).cpu().numpy()",
+     "active &= bool((confidence >= settings.threshold).any())", PROPOSALS),
+    ("proposal-past-limit", "proposals", "fast/engine.py",
+     "active &= step < limit", "active &= step <= limit", PROPOSALS),
+]
