@@ -6,13 +6,14 @@ tests, restore the file, and report which mutants the suite kills.
     python tests/mutation/run.py --json docs/mutation.json
 
 A mutant is killed when its tests fail (pytest exit code 1). Files are restored after every mutant,
-also on Ctrl-C; the script refuses to start on uncommitted changes to the files it mutates.
+also on Ctrl-C or SIGTERM; the script refuses to start on uncommitted changes to the files it mutates.
 Not part of the default suite (it runs the suite dozens of times).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -51,11 +52,19 @@ def main() -> int:
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill restores the file too (finally)
     chosen = [m for m in MUTANTS if not args.ids or m[0] in args.ids]
     files = sorted({m[2] for m in chosen})
     dirty = subprocess.run(["git", "status", "--porcelain", "--", *files], cwd=ROOT, capture_output=True, text=True)
     if dirty.stdout.strip():
         print(f"uncommitted changes in files to mutate; commit or stash them first:\n{dirty.stdout}", file=sys.stderr)
+        return 2
+    every = sorted({t for m in chosen for t in m[5]})
+    baseline = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *every], cwd=ROOT,
+                              capture_output=True, text=True)
+    if baseline.returncode != 0:  # a kill must mean the mutant, not a broken environment or suite
+        print(f"the unmutated tests do not pass (exit {baseline.returncode}):\n{baseline.stdout[-2000:]}"
+              f"{baseline.stderr[-2000:]}", file=sys.stderr)
         return 2
     rows = []
     for m in chosen:
