@@ -189,6 +189,45 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_conform(args) -> int:
+    from .conform import VectorError, check_identity, check_outputs, load_vectors, make_vectors, read_outputs
+    try:
+        if args.action == "make":
+            from pathlib import Path
+            out = Path(args.out)
+            if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+                raise UserError(f"--out {out} exists and is not an empty folder")
+            if not out.absolute().parent.is_dir():
+                raise UserError(f"--out {out}: folder {out.absolute().parent} does not exist")
+            target, _, tokenizer = load_pair(argparse.Namespace(target=args.target, draft=None, dtype=args.dtype,
+                                                                device=args.device))
+            manifest = make_vectors(target, out, tokenizer=tokenizer, seed=args.seed, max_context=args.max_context)
+            print(f"{manifest['num_requests']} requests in {out} (classes: {', '.join(manifest['classes'])}); "
+                  f"EOS ids {manifest['eos_token_ids']}, pad id {manifest['pad_token_id']}")
+            return 0
+        vectors = load_vectors(args.vectors)
+        outputs, warnings = read_outputs(args.outputs)
+        for w in warnings[:5]:
+            print(f"warning: {w}", file=sys.stderr)
+        if args.target:
+            target, _, _ = load_pair(argparse.Namespace(target=args.target, draft=None, dtype=vectors.manifest["dtype"],
+                                                        device="cpu"))
+            for line in check_identity(vectors, target):
+                print(f"warning: model differs from the vectors' - {line}", file=sys.stderr)
+        report = check_outputs(vectors, outputs, ulps=args.tie_ulps)
+    except VectorError as e:
+        raise UserError(str(e)) from None
+    print(report.table())
+    for line in report.lines():
+        print(line)
+    ties = sum(r["verdict"] == "tie" for r in report.requests)
+    print(f"{'CONFORMANT' if report.conformant else 'NOT CONFORMANT'}: "
+          f"{sum(r['verdict'] == 'exact' for r in report.requests)} exact, {ties} floating-point tie(s), "
+          f"{len(report.errors)} algorithmic, {len(report.missing)} missing, {len(report.extra)} extra, "
+          f"{len(report.duplicated)} duplicated")
+    return 0 if report.conformant else 1
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
     try:
@@ -295,6 +334,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: the distilled draft with prompt lookup in front")
     p.add_argument("--offline", action="store_true", help="skip the download; use tiny random models")
     p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("conform", help="conformance vectors for any engine, and the checker of its outputs")
+    act = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    m = act.add_parser("make", help="write conformance vectors for a target model")
+    m.add_argument("--target", required=True, help="model (the --target forms of generate)")
+    m.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--seed", type=checked(check_seed, "int"), default=0)
+    m.add_argument("--max-context", type=positive_int, default=512, help="cap on the long prompts' length")
+    m.add_argument("--out", required=True, help="a new (or empty) folder")
+    c = act.add_parser("check", help="compare an engine's outputs (JSONL: id, token_ids) with the vectors "
+                       "(exit 0 conformant, 1 algorithmic divergence or missing/extra ids, 2 unreadable)")
+    c.add_argument("vectors", help="folder written by conform make")
+    c.add_argument("outputs", help="JSONL with id and token_ids per request (text only: compared as text)")
+    c.add_argument("--target", help="also check that this model is the one the vectors were made with")
+    c.add_argument("--tie-ulps", type=float, default=None, help="tie threshold in ulps (default: the dtype's)")
+    p.set_defaults(run=cmd_conform)
 
     p = sub.add_parser("check-trace", help="validate a round trace against the invariants (exit 0 valid, "
                        "1 violation, 2 unreadable)")

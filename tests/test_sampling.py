@@ -173,11 +173,11 @@ def chi_square(counts, probs):
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def sample_joint(strategy="ragged", seed=0):
+def sample_joint(strategy="ragged", seed=0, **options):
     prompts = [[0]] * SAMPLES  # every request id gives its own keyed randomness
     result = specbatch.generate(ImposedLM(P_TABLE), ImposedLM(Q_TABLE), prompts, max_new_tokens=3,
                                 num_draft_tokens=2, batch_size=4000, strategy=strategy, temperature=1.0,
-                                seed=seed, eos_token_id=[])
+                                seed=seed, eos_token_id=[], **options)
     return joint_counts(result.sequences), result
 
 
@@ -198,6 +198,34 @@ def test_chi_square_rejects_broken_samplers(monkeypatch, mutant):
     else:
         monkeypatch.setattr(sampling, "residual_distribution", lambda p, q: (p - q).clamp(min=0))
     counts, _ = sample_joint()
+    assert chi_square(counts, expected_joint()) > CHI2_CRITICAL_DF26_ALPHA_0001
+
+
+# The imposed draft's most likely token has probability 0.5 to 0.8 depending on the context, so a
+# threshold of 0.65 makes rows stop drafting at different steps (proofs_notes/proposals.md: the
+# proposal length is a function of the context, not of the token drawn, so no bias).
+THRESHOLD = 0.65
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "ragged"])
+def test_a_confidence_threshold_keeps_the_target_distribution(strategy):
+    counts, result = sample_joint(strategy, draft_threshold=THRESHOLD)
+    _, every_step = sample_joint(strategy, draft_threshold=0.0)
+    drafted, all_drafted = result.stats["drafted_tokens"], every_step.stats["drafted_tokens"]
+    assert 0.2 * all_drafted < drafted < 0.8 * all_drafted  # rows stop at different steps
+    assert chi_square(counts, expected_joint()) < CHI2_CRITICAL_DF26_ALPHA_0001
+
+
+def test_chi_square_rejects_a_threshold_on_the_drawn_token(monkeypatch):
+    """The plausible bug: judging the confidence of the token actually drawn (q(d) >= threshold)
+    makes proposing depend on the draw, which biases the committed distribution."""
+    def draft(self, logits, requests, positions):
+        q = self.log_probs(logits).exp()
+        u = sampling.rng.uniform(*self.keys(requests), positions, "draft")
+        token = sampling.sample_from(q, u)
+        return token, q, q.gather(-1, token[:, None])[:, 0]
+    monkeypatch.setattr(sampling.Rejection, "draft", draft)
+    counts, _ = sample_joint(draft_threshold=THRESHOLD)
     assert chi_square(counts, expected_joint()) > CHI2_CRITICAL_DF26_ALPHA_0001
 
 

@@ -1,0 +1,64 @@
+"""Run specbatch's conformance vectors through vLLM (its CPU build, in its own virtual environment)
+and write outputs that `specbatch conform check` reads.
+
+    specbatch conform make --target smollm2 --out vectors/
+    VLLM_VENV/bin/python benchmarks/conform_vllm.py --model MODEL_DIR --vectors vectors/ \
+        --out vllm_outputs.jsonl [--ngram | --draft DRAFT_DIR] [--k 4] [--max-num-seqs 4] [--order shuffled]
+    specbatch conform check vectors/ vllm_outputs.jsonl
+
+All requests are submitted at once in the chosen order (the manifest's suggested orders);
+--max-num-seqs bounds how many vLLM batches together, so small values make it admit new requests
+while others run (continuous batching mixes lengths). Greedy, each request's max_new_tokens and the
+vectors' EOS ids as stop tokens. Imports only vLLM and the standard library (vLLM is never a
+dependency of specbatch).
+"""
+import argparse
+import json
+import os
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--vectors", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", default=None, help="default: the vectors' dtype")
+    ap.add_argument("--ngram", action="store_true")
+    ap.add_argument("--draft")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--order", default="shuffled", choices=("input", "reversed", "shuffled"))
+    a = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    manifest = json.load(open(os.path.join(a.vectors, "manifest.json")))
+    requests = [json.loads(line) for line in open(os.path.join(a.vectors, "requests.jsonl")) if line.strip()]
+    order = manifest["suggested"]["orders"][a.order]
+    speculative = None
+    if a.ngram:
+        speculative = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    elif a.draft:
+        speculative = {"method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k}
+    llm = LLM(model=a.model, dtype=a.dtype or manifest["dtype"], speculative_config=speculative, max_model_len=2048,
+              max_num_seqs=a.max_num_seqs, seed=0)
+    eos = manifest["eos_token_ids"]
+    chosen = [requests[i] for i in order]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], stop_token_ids=eos) for r in chosen]
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=r["token_ids"]) for r in chosen], params)
+    seconds = time.perf_counter() - start
+    with open(a.out, "w", encoding="utf-8") as f:
+        for r, o in zip(chosen, outputs):
+            tokens = list(o.outputs[0].token_ids)
+            if o.outputs[0].finish_reason == "stop" and (not tokens or tokens[-1] not in eos) and o.outputs[0].stop_reason in eos:
+                tokens.append(o.outputs[0].stop_reason)  # the EOS that stopped it, kept as the oracle keeps it
+            f.write(json.dumps(dict(id=r["id"], token_ids=tokens)) + "\n")
+    mode = "ngram" if a.ngram else ("draft" if a.draft else "target-only")
+    print(f"vllm {mode}, max_num_seqs {a.max_num_seqs}, {a.order} order: {len(chosen)} requests in {seconds:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

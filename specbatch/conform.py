@@ -1,0 +1,338 @@
+"""Conformance vectors and the output checker: verify any engine's batch speculative decoding.
+
+`make_vectors(target, out_dir)` writes a self-contained workload built to hit the failure classes
+of batch speculative decoding (DESIGN.md section 4), with the target's greedy answers at batch 1
+and, at every answer position, the target's top logits (so the checker needs no model):
+
+    manifest.json    model identity (config and weights hashes, dtype, vocabulary), the EOS ids,
+                     the pad id to use (equal to an EOS id), suggested batch sizes and orders
+    requests.jsonl   id, class, token_ids (and text with a tokenizer), max_new_tokens, eos_token_ids
+    reference.jsonl  id, token_ids, stop_reason, top: per answer position [[token, logit], ...]
+
+`check_outputs(vectors, outputs)` compares an engine's outputs (id + token_ids, or text only) with
+the reference: per request exact, or the first divergence, the reference's top-2 margin there and
+the verdict (a floating-point tie when the reference's logit for its own token exceeds the
+candidate's by at most `ulps` ulps of the dtype at the top logit, fast.equivalence's rule; else
+algorithmic). Missing, extra and duplicated ids count against conformance.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+VECTORS_VERSION = 1
+TOP = 8  # logits kept per answer position
+CLASSES = ("pad-in-prompt", "eos-offset", "budget-mid-round", "short-and-long", "duplicate", "churn",
+           "wide-margin")
+
+
+class VectorError(Exception):
+    """Vectors or outputs that cannot be read (a one-line message naming the file)."""
+
+
+# ---------------------------------------------------------------- making vectors
+
+def model_identity(model) -> dict:
+    """What a checker compares before trusting the vectors: config hash, weights hash, dtype."""
+    import torch
+    config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    weights = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        weights.update(name.encode())
+        weights.update(p.detach().to(torch.float32).cpu().numpy().tobytes())
+    first = next(model.parameters())
+    return dict(model_class=type(model).__name__, config_sha256=hashlib.sha256(config.encode()).hexdigest(),
+                weights_sha256=weights.hexdigest(), dtype=str(first.dtype).removeprefix("torch."),
+                vocab_size=int(model.get_output_embeddings().weight.shape[0]))
+
+
+def _greedy(target, prompts, max_new, eos) -> list[list[int]]:
+    import specbatch
+    out = []
+    for p, m in zip(prompts, max_new):  # batch 1, one request at a time: the reference
+        out += specbatch.generate(target, None, [p], max_new_tokens=m, batch_size=1, eos_token_id=list(eos)).sequences
+    return out
+
+
+def _top_logits(target, prompt, answer) -> list[list]:
+    """[[token, logit] x TOP] at every answer position, from one unpadded forward."""
+    import torch
+
+    from .fast.cache import rect_inputs
+    from .fast.models import ModelRunner, mask_fill_value
+    if not answer:
+        return []
+    ids = list(prompt) + list(answer[:-1])
+    first = next(target.parameters())
+    pos, mask = rect_inputs(torch.zeros(1, dtype=torch.long, device=first.device), 0, len(ids), None, first.dtype,
+                            mask_fill_value(first.dtype))
+    with torch.inference_mode():
+        logits = ModelRunner(target)(torch.tensor([ids], device=first.device), pos, mask, None)[0].double()
+    values, tokens = logits[len(prompt) - 1:].topk(TOP, dim=-1)
+    return [[[int(t), float(v)] for t, v in zip(tr, vr)] for tr, vr in zip(tokens.tolist(), values.tolist())]
+
+
+def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context: int = 512) -> dict:
+    """Write the conformance vectors for `target` into out_dir; returns the manifest.
+
+    max_context caps the long prompts (1-token prompts sit next to prompts of about this length, or
+    the model's context if smaller), so vectors for a large model stay quick to answer."""
+    from .fast.models import context_limit, eos_ids_of
+    rng = np.random.default_rng(seed)
+    identity = model_identity(target)
+    vocab = identity["vocab_size"]
+    model_eos = list(eos_ids_of(target))
+    pad = model_eos[0] if model_eos else int(rng.integers(vocab))  # pad == EOS, as many engines set it
+    draw = lambda n: rng.integers(0, vocab, int(n)).tolist()  # noqa: E731
+    requests: list[dict] = []
+
+    def add(cls, ids, max_new):
+        requests.append(dict(id=f"{cls}-{sum(r['class'] == cls for r in requests)}", **{"class": cls},
+                             token_ids=[int(t) for t in ids], max_new_tokens=int(max_new)))
+
+    for n in (6, 11, 19):  # the pad id inside prompts, also as a run and at the ends
+        ids = draw(n)
+        for at in rng.choice(n, size=3, replace=False):
+            ids[at] = pad
+        ids[-1] = pad
+        add("pad-in-prompt", ids, 12)
+    eos_candidates = [draw(rng.integers(4, 24)) for _ in range(8)]
+    continuations = _greedy(target, eos_candidates, [12] * 8, [])
+    eos = list(model_eos)
+    for offset, (prompt, cont) in enumerate(zip(eos_candidates, continuations), 1):  # EOS at offsets 1..8
+        token = cont[offset - 1] if offset <= len(cont) else None
+        if token is not None and token not in cont[:offset - 1] and token not in eos:
+            eos.append(int(token))
+        add("eos-offset", prompt, 12)
+    for budget in range(1, 10):  # budgets ending at every offset of a round
+        add("budget-mid-round", draw(rng.integers(2, 30)), budget)
+    limit = min(context_limit(target) or max_context, max_context)
+    for n in (1, 1, limit - 40, 1, limit - 24):  # 1-token prompts beside prompts near the context limit
+        add("short-and-long", draw(max(n, 1)), 16)
+    twice = draw(9)
+    for _ in range(3):
+        add("duplicate", twice, 10)
+    for _ in range(24):  # enough requests, of mixed lengths and budgets, to churn a continuous batcher
+        add("churn", draw(rng.integers(1, 40)), int(rng.integers(1, 17)))
+    candidates = [draw(rng.integers(3, 20)) for _ in range(24)]
+    answers = _greedy(target, candidates, [10] * 24, eos)
+    margins = []
+    for p, a in zip(candidates, answers):
+        top = _top_logits(target, p, a)
+        margins.append(min((t[0][1] - t[1][1] for t in top), default=0.0))
+    for i in np.argsort(margins)[::-1][:4]:  # the widest top-2 margins: ties are rare there
+        add("wide-margin", candidates[i], 10)
+
+    prompts = [r["token_ids"] for r in requests]
+    budgets = [r["max_new_tokens"] for r in requests]
+    answers = _greedy(target, prompts, budgets, eos)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    count = len(requests)
+    order = list(range(count))
+    manifest = dict(format="specbatch-conformance", version=VECTORS_VERSION, **identity, eos_token_ids=eos,
+                    pad_token_id=int(pad), num_requests=count, classes=list(CLASSES), seed=seed,
+                    tie_ulps_default=_default_ulps(identity["dtype"]),
+                    suggested=dict(batch_sizes=[1, 3, 8, count],
+                                   orders=dict(input=order, reversed=order[::-1],
+                                               shuffled=rng.permutation(count).tolist())))
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    with open(out / "requests.jsonl", "w", encoding="utf-8") as f:
+        for r in requests:
+            row = dict(r, eos_token_ids=eos)
+            if tokenizer is not None:
+                row["text"] = tokenizer.decode(r["token_ids"])
+            f.write(json.dumps(row) + "\n")
+    with open(out / "reference.jsonl", "w", encoding="utf-8") as f:
+        for r, a in zip(requests, answers):
+            stop = "eos" if a and a[-1] in eos else "length"
+            row = dict(id=r["id"], token_ids=a, stop_reason=stop, top=_top_logits(target, r["token_ids"], a))
+            if tokenizer is not None:
+                row["text"] = tokenizer.decode(a)
+            f.write(json.dumps(row) + "\n")
+    return manifest
+
+
+def _default_ulps(dtype: str) -> float:
+    return {"float64": 4096, "float32": 512, "bfloat16": 4, "float16": 4}.get(dtype, 4)
+
+
+# ---------------------------------------------------------------- reading
+
+def _jsonl(path: Path, what: str) -> list[dict]:
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as e:
+        raise VectorError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise VectorError(f"{path}: {what} is not UTF-8 text") from None
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise VectorError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or "id" not in obj:
+            raise VectorError(f"{path}:{n}: expected a JSON object with an 'id'")
+        rows.append(obj)
+    return rows
+
+
+@dataclass
+class Vectors:
+    manifest: dict
+    requests: list
+    reference: dict  # id -> reference row
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [r["token_ids"] for r in self.requests]
+
+    @property
+    def budgets(self) -> list[int]:
+        return [r["max_new_tokens"] for r in self.requests]
+
+
+def load_vectors(path) -> Vectors:
+    path = Path(path)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise VectorError(f"{path}: no manifest.json (not a conformance vector folder)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise VectorError(f"{path}/manifest.json: malformed JSON") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "specbatch-conformance":
+        raise VectorError(f"{path}/manifest.json: not a specbatch conformance manifest")
+    requests = _jsonl(path / "requests.jsonl", "requests file")
+    reference = {r["id"]: r for r in _jsonl(path / "reference.jsonl", "reference file")}
+    if [r["id"] for r in requests] != list(reference) or len(requests) != manifest.get("num_requests"):
+        raise VectorError(f"{path}: requests.jsonl, reference.jsonl and the manifest disagree")
+    return Vectors(manifest, requests, reference)
+
+
+def read_outputs(path) -> tuple[list[dict], list[str]]:
+    """An engine's outputs: JSONL lines with `id` and `token_ids` (text-only lines are accepted
+    with a warning). Returns (rows, warnings)."""
+    rows = _jsonl(Path(path), "outputs file")
+    warnings = []
+    for n, row in enumerate(rows, 1):
+        tokens = row.get("token_ids")
+        if tokens is None:
+            if not isinstance(row.get("text"), str):
+                raise VectorError(f"{path}: output {row['id']!r} has neither 'token_ids' nor 'text'")
+            warnings.append(f"output {row['id']!r} has text only: compared as text, no tie verdict possible")
+        elif not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise VectorError(f"{path}: output {row['id']!r}: 'token_ids' must be a list of integers")
+    return rows, warnings
+
+
+# ---------------------------------------------------------------- checking
+
+@dataclass
+class Report:
+    requests: list = field(default_factory=list)  # per reference request: dict(id, class, verdict, ...)
+    missing: list = field(default_factory=list)
+    extra: list = field(default_factory=list)
+    duplicated: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+
+    @property
+    def errors(self) -> list:
+        return [r for r in self.requests if r["verdict"] == "algorithmic"]
+
+    @property
+    def conformant(self) -> bool:
+        return not (self.errors or self.missing or self.extra or self.duplicated)
+
+    def table(self) -> str:
+        lines = ["| class | requests | exact | floating-point tie | algorithmic | missing |", "|---|---|---|---|---|---|"]
+        for cls in sorted({r["class"] for r in self.requests}, key=lambda c: CLASSES.index(c) if c in CLASSES else 99):
+            rows = [r for r in self.requests if r["class"] == cls]
+            count = lambda v: sum(r["verdict"] == v for r in rows)  # noqa: E731
+            lines.append(f"| {cls} | {len(rows)} | {count('exact')} | {count('tie')} | {count('algorithmic')} | "
+                         f"{count('missing')} |")
+        return "\n".join(lines)
+
+    def lines(self) -> list[str]:
+        out = []
+        for r in self.requests:
+            if r["verdict"] in ("tie", "algorithmic"):
+                what = "floating-point tie" if r["verdict"] == "tie" else "ALGORITHMIC DIVERGENCE"
+                margin = "" if r.get("margin") is None else f", reference top-2 margin {r['margin']:.3g}"
+                out.append(f"{r['id']} ({r['class']}): first divergence at new token {r['index']} ({r['detail']}"
+                           f"{margin}) -> {what}")
+        out += [f"{i}: missing from the outputs" for i in self.missing]
+        out += [f"{i}: not a request of the vectors" for i in self.extra]
+        out += [f"{i}: appears more than once in the outputs" for i in self.duplicated]
+        return out
+
+
+def _ulp(value: float, dtype: str) -> float:
+    import math
+    eps = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}.get(dtype, 2.0**-23)
+    exponent = math.floor(math.log2(abs(value))) if value else 0
+    return eps * 2.0 ** max(exponent, 0)
+
+
+def judge(reference: dict, got: list[int], dtype: str, ulps: float) -> dict:
+    """Exact, or the first divergence with its verdict, from the stored top logits alone."""
+    want = reference["token_ids"]
+    j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if j is None and len(got) == len(want):
+        return dict(verdict="exact")
+    if j is None:  # one is a prefix of the other: a stop (EOS or budget) in the wrong place
+        j = min(len(got), len(want))
+        detail = "the output stops early" if len(got) < len(want) else "the output continues past the reference's end"
+        return dict(verdict="algorithmic", index=j, detail=detail, margin=None)
+    top = reference["top"][j]
+    logit = dict((t, v) for t, v in top)
+    margin = top[0][1] - top[1][1]
+    # the candidate's token outside the stored top: its logit is at most the last stored one
+    gap = logit[want[j]] - logit.get(got[j], top[-1][1])
+    threshold = ulps * _ulp(top[0][1], dtype)
+    tie = got[j] in logit and gap <= threshold
+    return dict(verdict="tie" if tie else "algorithmic", index=j, margin=margin, gap=gap, threshold=threshold,
+                detail=f"expected {want[j]}, got {got[j]}")
+
+
+def check_outputs(vectors, outputs, ulps: float | None = None) -> Report:
+    """Report on an engine's outputs (rows with id and token_ids or text) against the vectors."""
+    vectors = vectors if isinstance(vectors, Vectors) else load_vectors(vectors)
+    dtype = vectors.manifest["dtype"]
+    ulps = vectors.manifest.get("tie_ulps_default", 4) if ulps is None else ulps
+    report = Report()
+    seen: dict = {}
+    for row in outputs:
+        ident = str(row["id"])
+        if ident in seen:
+            report.duplicated.append(ident)
+        seen[ident] = row
+    report.extra = sorted(i for i in seen if i not in vectors.reference)
+    for request in vectors.requests:
+        ident, ref = request["id"], vectors.reference[request["id"]]
+        row = seen.get(ident)
+        base = dict(id=ident, **{"class": request["class"]})
+        if row is None:
+            report.missing.append(ident)
+            report.requests.append(dict(base, verdict="missing"))
+        elif row.get("token_ids") is None:
+            same = row["text"] == ref.get("text")
+            report.requests.append(dict(base, verdict="exact" if same else "algorithmic", index=None,
+                                        detail="text differs (text-only output)", margin=None))
+        else:
+            report.requests.append(dict(base, **judge(ref, list(row["token_ids"]), dtype, ulps)))
+    return report
+
+
+def check_identity(vectors, model) -> list[str]:
+    """Differences between the model and the one the vectors were made with (empty: the same)."""
+    vectors = vectors if isinstance(vectors, Vectors) else load_vectors(vectors)
+    have = model_identity(model)
+    return [f"{key}: vectors have {vectors.manifest.get(key)!r}, the model has {value!r}"
+            for key, value in have.items() if vectors.manifest.get(key) != value]

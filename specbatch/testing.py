@@ -1,0 +1,203 @@
+"""Check any engine's batch speculative decoding against specbatch's oracle, from Python or pytest.
+
+An engine is a callable
+
+    generate_fn(prompts: list[list[int]], max_new_tokens: list[int], eos_token_ids: list[int],
+                batch_size: int) -> list[list[int]]      # new tokens per prompt, in input order
+
+(greedy decoding; the first EOS kept, as transformers and vLLM return it). Adapters for
+specbatch's strategies, its deliberately broken variants and transformers' assisted generation are
+below; wrap any other engine the same way.
+
+- `check_engine(generate_fn, vectors)`: runs the conformance vectors (specbatch.conform) through
+  the engine at several batch sizes and orders; raises ConformanceError with the report.
+- `find_counterexample(generate_fn, target)`: a Hypothesis search over batch compositions, orders
+  and sizes against target-only greedy decoding at batch 1, shrunk to a minimal failing case
+  (fewest requests, shortest prompts), printed as a ready-to-paste pytest test.
+- The pytest plugin (registered as the `specbatch` entry point of `pytest11`) gives the fixtures
+  `specbatch_vectors` (a factory: vectors for a model, cached per session) and `check_engine`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .conform import Report, Vectors, check_outputs, load_vectors, make_vectors
+
+
+class ConformanceError(AssertionError):
+    """An engine's outputs are not equivalent to target-only decoding; the message lists where."""
+
+
+# ---------------------------------------------------------------- adapters
+
+def specbatch_engine(target, draft, strategy: str = "ragged", **options):
+    """One of specbatch's strategies as an engine."""
+    import specbatch
+
+    def generate_fn(prompts, max_new_tokens, eos_token_ids, batch_size):
+        return specbatch.generate(target, draft, prompts, max_new_tokens=list(max_new_tokens), batch_size=batch_size,
+                                  strategy=strategy, eos_token_id=list(eos_token_ids), **options).sequences
+    return generate_fn
+
+
+def broken_engine(target, draft, variant: str, num_draft_tokens: int = 4):
+    """The deliberately broken bsp-like / dsd-like variants (they must be flagged)."""
+    from .api import generate_variant
+
+    def generate_fn(prompts, max_new_tokens, eos_token_ids, batch_size):
+        return generate_variant(target, draft, prompts, variant=variant, max_new_tokens=list(max_new_tokens),
+                                batch_size=batch_size, eos_token_id=list(eos_token_ids),
+                                num_draft_tokens=num_draft_tokens, draft_threshold=0.0, adaptive=False).sequences
+    return generate_fn
+
+
+def hf_assisted_engine(target, draft=None, prompt_lookup_num_tokens: int | None = None, num_assistant_tokens: int = 4):
+    """transformers' assisted generation (draft model, or prompt lookup), one request at a time
+    (transformers supports batch 1 only); the batch size is ignored."""
+    import torch
+
+    def generate_fn(prompts, max_new_tokens, eos_token_ids, batch_size):
+        out = []
+        device = next(target.parameters()).device
+        for prompt, budget in zip(prompts, max_new_tokens):
+            kw = dict(assistant_model=draft) if draft is not None else dict(
+                prompt_lookup_num_tokens=prompt_lookup_num_tokens or num_assistant_tokens)
+            if draft is not None:
+                draft.generation_config.num_assistant_tokens = num_assistant_tokens
+                draft.generation_config.num_assistant_tokens_schedule = "constant"
+                draft.generation_config.assistant_confidence_threshold = 0.0
+            ids = torch.tensor([prompt], device=device)
+            with torch.no_grad():
+                gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
+                                      do_sample=False, eos_token_id=list(eos_token_ids) or None,
+                                      pad_token_id=(list(eos_token_ids) or [0])[0], **kw)
+            new = gen[0, len(prompt):].tolist()
+            stop = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
+            out.append(new[:stop + 1] if stop is not None else new)
+        return out
+    return generate_fn
+
+
+# ---------------------------------------------------------------- vectors through an engine
+
+def run_vectors(generate_fn, vectors: Vectors, batch_size: int, order: list[int]) -> list[dict]:
+    """The engine's outputs on the vectors, requests submitted in `order`, as rows with id and token_ids."""
+    eos = vectors.manifest["eos_token_ids"]
+    prompts = [vectors.prompts[i] for i in order]
+    budgets = [vectors.budgets[i] for i in order]
+    got = generate_fn(prompts, budgets, eos, batch_size)
+    if len(got) != len(order):
+        raise ConformanceError(f"the engine returned {len(got)} outputs for {len(order)} prompts")
+    return [dict(id=vectors.requests[i]["id"], token_ids=[int(t) for t in tokens]) for i, tokens in zip(order, got)]
+
+
+def check_engine(generate_fn, vectors, batch_sizes=None, orders=("input", "shuffled"), ulps=None) -> list[Report]:
+    """Run the vectors (a folder, Vectors, or a model to make them for) at each batch size and order;
+    raise ConformanceError naming every algorithmic divergence. Returns the reports."""
+    if not isinstance(vectors, Vectors):
+        vectors = load_vectors(vectors)
+    suggested = vectors.manifest["suggested"]
+    reports, failures = [], []
+    for batch in batch_sizes or suggested["batch_sizes"]:
+        for name in orders:
+            report = check_outputs(vectors, run_vectors(generate_fn, vectors, batch, suggested["orders"][name]), ulps)
+            reports.append(report)
+            if not report.conformant:
+                failures += [f"batch {batch}, {name} order: {line}" for line in report.lines()]
+    if failures:
+        raise ConformanceError(f"{len(failures)} problem(s):\n" + "\n".join(failures[:20]))
+    return reports
+
+
+# ---------------------------------------------------------------- shrinking search
+
+@dataclass
+class Counterexample:
+    prompts: list
+    max_new_tokens: list
+    batch_size: int
+    eos_token_ids: list
+    expected: list
+    got: list
+
+    def as_pytest(self, engine: str = "generate_fn") -> str:
+        return (f"def test_specbatch_counterexample():\n"
+                f"    prompts = {self.prompts!r}\n"
+                f"    max_new_tokens = {self.max_new_tokens!r}\n"
+                f"    eos_token_ids = {self.eos_token_ids!r}\n"
+                f"    expected = {self.expected!r}  # target-only greedy decoding at batch 1\n"
+                f"    assert {engine}(prompts, max_new_tokens, eos_token_ids, batch_size={self.batch_size}) == expected\n")
+
+
+def reference_outputs(target, prompts, max_new_tokens, eos_token_ids) -> list[list[int]]:
+    """Target-only greedy decoding, one request at a time (batch 1): the oracle."""
+    import specbatch
+    return [specbatch.generate(target, None, [p], max_new_tokens=m, batch_size=1, eos_token_id=list(eos_token_ids)
+                               ).sequences[0] for p, m in zip(prompts, max_new_tokens)]
+
+
+def find_counterexample(generate_fn, target, *, max_requests: int = 6, max_prompt: int = 16, max_new: int = 12,
+                        max_batch: int = 6, max_examples: int = 200, seed: int = 0) -> Counterexample | None:
+    """Search batch compositions (prompts, budgets, batch size) for outputs that differ from
+    target-only greedy decoding at batch 1, and shrink the first found (Hypothesis): the result has
+    as few requests and as short prompts as the search could reach. None if nothing was found.
+    Meant for float64 or well-separated models, where every difference is algorithmic."""
+    from hypothesis import HealthCheck, Phase, find, settings
+    from hypothesis import strategies as st
+
+    from .fast.models import eos_ids_of, vocab_size
+    vocab = vocab_size(target)
+    eos = list(eos_ids_of(target))
+    case = st.tuples(st.lists(st.tuples(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=max_prompt),
+                                        st.integers(1, max_new)), min_size=1, max_size=max_requests),
+                     st.integers(1, max_batch))
+    memo: dict = {}
+
+    def fails(example) -> bool:
+        requests, batch = example
+        prompts, budgets = [list(p) for p, _ in requests], [m for _, m in requests]
+        key = (repr(prompts), tuple(budgets), batch)
+        if key not in memo:
+            memo[key] = generate_fn(prompts, budgets, eos, batch) != reference_outputs(target, prompts, budgets, eos)
+        return memo[key]
+
+    try:
+        requests, batch = find(case, fails, settings=settings(
+            max_examples=max_examples, database=None, deadline=None, derandomize=True,
+            phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck)), random=None)
+    except Exception as e:  # hypothesis.errors.NoSuchExample: the engine passed every case tried
+        if type(e).__name__ == "NoSuchExample":
+            return None
+        raise
+    prompts, budgets = [list(p) for p, _ in requests], [m for _, m in requests]
+    return Counterexample(prompts, budgets, batch, eos, reference_outputs(target, prompts, budgets, eos),
+                          generate_fn(prompts, budgets, eos, batch))
+
+
+# ---------------------------------------------------------------- pytest plugin
+
+def _plugin():
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def specbatch_vectors(tmp_path_factory):
+        """factory(model, tokenizer=None, **make_options) -> Vectors, made once per model per session."""
+        made: dict = {}
+
+        def factory(model, tokenizer=None, **options):
+            if id(model) not in made:
+                folder = tmp_path_factory.mktemp("specbatch-vectors")
+                make_vectors(model, folder, tokenizer=tokenizer, **options)
+                made[id(model)] = load_vectors(folder)
+            return made[id(model)]
+        return factory
+
+    @pytest.fixture()
+    def specbatch_check_engine():
+        """check_engine(generate_fn, vectors, ...) (specbatch.testing.check_engine)."""
+        return check_engine
+
+    return specbatch_vectors, specbatch_check_engine
+
+
+specbatch_vectors, specbatch_check_engine = _plugin() if __import__("importlib").util.find_spec("pytest") else (None, None)

@@ -1,0 +1,157 @@
+"""Conformance vectors, the output checker, specbatch.testing and its pytest plugin, on tiny models
+made here: specbatch's strategies and transformers' assisted generation conform, the broken
+variants are flagged with a shrunk counterexample, and the checker's verdicts are exact."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hf_models import tiny
+from specbatch.cli import main
+from specbatch.conform import CLASSES, check_outputs, load_vectors, make_vectors
+from specbatch.fast.drafts import ScriptedDraft
+from specbatch.reference import deviate_hashed
+from specbatch.testing import (ConformanceError, broken_engine, check_engine, find_counterexample,
+                               hf_assisted_engine, reference_outputs, specbatch_engine)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def vectors(target, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vectors")
+    make_vectors(target, folder, max_context=120)
+    return folder
+
+
+def reference_rows(vectors):
+    return [dict(id=r["id"], token_ids=r["token_ids"]) for r in load_vectors(vectors).reference.values()]
+
+
+def test_vectors_cover_every_class_and_hold_the_batch_1_answers(target, vectors):
+    v = load_vectors(vectors)
+    assert {r["class"] for r in v.requests} == set(CLASSES)
+    assert v.manifest["pad_token_id"] in v.manifest["eos_token_ids"]  # pad == EOS
+    assert any(v.manifest["pad_token_id"] in p for p in v.prompts)  # the pad id inside prompts
+    lengths = [len(p) for p in v.prompts]
+    assert min(lengths) == 1 and max(lengths) >= 80
+    assert len(v.requests) >= 40
+    stops = {r["id"]: r["stop_reason"] for r in v.reference.values()}
+    offsets = [len(v.reference[r["id"]]["token_ids"]) for r in v.requests
+               if r["class"] == "eos-offset" and stops[r["id"]] == "eos"]
+    assert len(set(offsets)) >= 3  # EOS at several offsets within a round
+    sample = v.requests[::7]
+    want = reference_outputs(target, [r["token_ids"] for r in sample], [r["max_new_tokens"] for r in sample],
+                             v.manifest["eos_token_ids"])
+    assert [v.reference[r["id"]]["token_ids"] for r in sample] == want
+    assert all(len(v.reference[r["id"]]["top"]) == len(v.reference[r["id"]]["token_ids"]) for r in sample)
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "ragged"])
+def test_specbatch_strategies_conform(target, vectors, strategy):
+    draft = ScriptedDraft(target, deviate_hashed(3, 0.3))
+    reports = check_engine(specbatch_engine(target, draft, strategy), vectors, batch_sizes=(3, 8),
+                           orders=("shuffled",) if strategy != "ragged" else ("input", "shuffled"))
+    assert all(r.conformant and all(x["verdict"] == "exact" for x in r.requests) for r in reports)
+
+
+@pytest.mark.parametrize("mode", ["draft", "lookup"])
+def test_transformers_assisted_generation_conforms(target, vectors, mode):
+    draft = tiny("llama", layers=1, seed=4) if mode == "draft" else None
+    check_engine(hf_assisted_engine(target, draft, prompt_lookup_num_tokens=3 if mode == "lookup" else None),
+                 vectors, batch_sizes=(1,), orders=("input",))
+
+
+def test_one_changed_token_is_reported_at_its_request_and_index(vectors):
+    rows = reference_rows(vectors)
+    victim = next(r for r in rows if len(r["token_ids"]) > 5)
+    top = load_vectors(vectors).reference[victim["id"]]["top"][4]
+    victim["token_ids"] = victim["token_ids"][:4] + [top[-1][0]] + victim["token_ids"][5:]  # a far-down token
+    report = check_outputs(vectors, rows)
+    bad = [r for r in report.requests if r["verdict"] != "exact"]
+    assert [(r["id"], r["index"], r["verdict"]) for r in bad] == [(victim["id"], 4, "algorithmic")]
+    assert not report.conformant
+
+
+def test_a_near_tie_is_a_floating_point_tie(vectors, tmp_path):
+    import shutil
+    folder = tmp_path / "v"
+    shutil.copytree(vectors, folder)
+    ref = [json.loads(x) for x in open(folder / "reference.jsonl")]
+    victim = next(r for r in ref if len(r["token_ids"]) > 3)
+    top = victim["top"][2]
+    top[1][1] = top[0][1] - 1e-13  # the runner-up within a few float64 ulps of the top
+    (folder / "reference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref))
+    rows = reference_rows(folder)
+    out = next(r for r in rows if r["id"] == victim["id"])
+    out["token_ids"] = out["token_ids"][:2] + [top[1][0]]  # took the runner-up, then stopped
+    report = check_outputs(folder, rows)
+    verdicts = {r["id"]: r["verdict"] for r in report.requests}
+    assert verdicts[victim["id"]] == "tie" and report.conformant
+    assert sum(v != "exact" for v in verdicts.values()) == 1
+
+
+def test_cli_check_exit_codes_and_id_problems(vectors, tmp_path, capsys):
+    rows = reference_rows(vectors)
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["conform", "check", str(vectors), str(good)]) == 0
+    assert "CONFORMANT: " in capsys.readouterr().out
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text("".join(json.dumps(r) + "\n" for r in rows[1:] + [rows[2], dict(id="nope", token_ids=[1])]))
+    assert main(["conform", "check", str(vectors), str(odd)]) == 1
+    out = capsys.readouterr().out
+    assert f"{rows[0]['id']}: missing" in out and "nope: not a request" in out and f"{rows[2]['id']}: appears more" in out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "token_ids": [1]}\n{"id": \n')
+    assert main(["conform", "check", str(vectors), str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl:2: malformed JSON" in err[0]
+    assert main(["conform", "check", str(tmp_path), str(good)]) == 2  # not a vector folder
+
+
+@pytest.mark.parametrize("variant", ["bsp-like", "dsd-like"])
+def test_broken_variants_are_flagged_with_a_shrunk_counterexample(target, vectors, variant):
+    draft = ScriptedDraft(target, deviate_hashed(2, 0.3))
+    engine = broken_engine(target, draft, variant)
+    with pytest.raises(ConformanceError):
+        check_engine(engine, vectors, batch_sizes=(8,), orders=("input",))
+    start = time.time()
+    found = find_counterexample(engine, target, max_examples=150)
+    assert found is not None and time.time() - start < 120
+    assert len(found.prompts) <= 3 and max(map(len, found.prompts)) <= 16, found
+    assert found.got != found.expected
+    code = found.as_pytest("engine")
+    namespace = dict(engine=engine)
+    exec(code, namespace)
+    with pytest.raises(AssertionError):
+        namespace["test_specbatch_counterexample"]()
+    ours = specbatch_engine(target, draft, "ragged", draft_threshold=0.0, adaptive=False)
+    assert ours(found.prompts, found.max_new_tokens, found.eos_token_ids, found.batch_size) == found.expected
+
+
+def test_the_pytest_plugin_gives_the_fixtures(tmp_path):
+    (tmp_path / "test_engine.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        "from hf_models import tiny\n"
+        "from specbatch.testing import specbatch_engine\n\n"
+        "def test_my_engine(specbatch_vectors, specbatch_check_engine):\n"
+        "    model = tiny('llama')\n"
+        "    vectors = specbatch_vectors(model, max_context=40)\n"
+        "    specbatch_check_engine(specbatch_engine(model, None), vectors, batch_sizes=(4,), orders=('input',))\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+
+
+def test_make_refuses_a_non_empty_folder(tmp_path, capsys):
+    (tmp_path / "x").write_text("keep")
+    assert main(["conform", "make", "--target", "smollm2", "--out", str(tmp_path)]) == 2
+    assert (tmp_path / "x").read_text() == "keep"
+    assert "not an empty folder" in capsys.readouterr().err
