@@ -23,6 +23,7 @@ so adaptive defaults to off there (their distribution is exact either way).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -118,7 +119,8 @@ class DraftController:
     """Chooses each row's cap for the round from measured costs and the row's history.
 
     A row's j-th proposal pays when its chance to be accepted is worth the verify token it costs:
-    a^j x (seconds per token of a plain target step) >= (marginal seconds of one more verified
+    a^j x (seconds per token of a plain round: its verify forward and the round's other
+    work) >= (marginal seconds of one more verified
     token); the round then drafts as many steps as some row's cap, dropping the last step while
     what the rows expect from it does not cover one draft step. Every PROBE_EVERY rounds each row
     may propose at least one token, so a row's history keeps being measured."""
@@ -131,6 +133,8 @@ class DraftController:
         self.rows: dict = {}
         self.pooled = RowHistory()
         self.depths = DepthHistory(k)
+        self.overhead: deque = deque(maxlen=64)  # seconds of a round outside draft and verify
+        self.last_record = None
         self.rounds = 0
         self.caps: list = []  # the round's largest cap, per round (statistics)
 
@@ -140,10 +144,8 @@ class DraftController:
         clamp = np.asarray(clamp, dtype=np.int64)
         if not self.adaptive or self.k == 0 or not clamp.max():
             caps = clamp
-        elif self.rounds == 1 or not self.draft_cost.points:
-            caps = clamp  # explore: the first rounds measure a full draft and a plain target step
-        elif not self.verify_cost.ready():
-            caps = np.zeros_like(clamp)
+        elif not self.draft_cost.points or not self.verify_cost.ready():
+            caps = clamp  # explore until a draft step and verifies of two widths have been measured
         else:
             caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp)
             if self.rounds % self.PROBE_EVERY == 0:
@@ -153,7 +155,8 @@ class DraftController:
 
     def best_caps(self, histories, clamp: np.ndarray) -> np.ndarray:
         rows = len(histories)
-        step_seconds = max(self.verify_cost(rows), 1e-9) / rows  # a plain target step, per token
+        overhead = float(np.median(self.overhead)) if self.overhead else 0.0
+        step_seconds = max(self.verify_cost(rows) + overhead, 1e-9) / rows  # a plain round, per token
         token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)  # one more verified token
         draft_step = self.draft_cost(rows)
         factors = self.depths.factors()
@@ -184,6 +187,10 @@ class DraftController:
         if draft_steps:
             self.draft_cost.add(rows, draft_seconds / draft_steps)
         self.verify_cost.add(verify_tokens, verify_seconds)
+        now = time.perf_counter()
+        if self.last_record is not None:  # commit, bookkeeping, refills: paid once per round, saved by fewer rounds
+            self.overhead.append(max(now - self.last_record - draft_seconds - verify_seconds, 0.0))
+        self.last_record = now
         for r, p, acc, at_limit in zip(requests, proposed, accepted, reached_limit):
             if p or not at_limit:  # the row drafted (or was stopped by its confidence): evidence
                 self.rows.setdefault(int(r), RowHistory()).add(int(p), not at_limit, int(acc))

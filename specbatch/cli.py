@@ -327,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="SmolLM2-135M-Instruct end to end: answers, speed, equivalence")
-    p.add_argument("--batch-size", type=positive_int, default=DEFAULTS["batch_size"])
+    p.add_argument("--batch-size", type=positive_int, default=2, help="default 2: a latency-bound batch, where "
+                   "speculation pays on a 2-core CPU (see README)")
     p.add_argument("--max-new-tokens", type=positive_int, default=48)
     p.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULTS["num_draft_tokens"])
     p.add_argument("--draft", default="smollm2-draft+lookup", help="draft (the --draft forms of generate); "

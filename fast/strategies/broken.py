@@ -10,7 +10,7 @@ engine, so that their exact-match collapse can be shown next to the correct stra
   tokens are appended after the old width and the rest is right-padded; nothing is moved, so the
   layout the masks assume (right-aligned content) is not where the data is.
 
-Never use them for anything else: `specbatch.generate` accepts them only under these names.
+Never use them for anything else: only `specbatch.api.generate_variant` runs them (bench, tests).
 """
 from __future__ import annotations
 

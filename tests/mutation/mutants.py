@@ -50,9 +50,13 @@ MUTANTS = [
     ("eqspec-shift-sign", "cache", "fast/strategies/eqspec.py",
      "- torch.as_tensor(delta, device=self.settings.device)[:, None]).clamp(min=0)",
      "+ torch.as_tensor(delta, device=self.settings.device)[:, None]).clamp(min=0)", ENGINE),
-    ("slot-pad-writes-slot-0", "cache", "fast/slot_cache.py",
-     "torch.where(query_index >= 0, query_index, torch.full_like(query_index, self.capacity))",
-     "torch.where(query_index >= 0, query_index, torch.zeros_like(query_index))", RAGGED),
+    # (Not listed: a pad query writing into slot 0 instead of the trash slot. The ragged engine no
+    # longer issues pad queries, since packed prefill, so that mutant cannot change anything; the
+    # harness reported it as surviving, which is how this was found.)
+    ("compaction-moves-one-slot-short", "cache", "fast/strategies/ragged.py",
+     "cache.move_row(src, dst, count)", "cache.move_row(src, dst, count - 1)", RAGGED),
+    ("slot-write-one-slot-late", "cache", "fast/slot_cache.py",
+     "* capacity + index[:, None, :]).reshape(-1)", "* capacity + index[:, None, :] + 1).reshape(-1)", RAGGED),
     ("draft-pending-after-full-accept", "cache", "fast/verify.py",
      "return n - np.minimum(np.minimum(accepted, k - 1), n)", "return n - np.minimum(accepted, n)", ENGINE),
     # ---- acceptance
@@ -73,8 +77,10 @@ MUTANTS = [
     ("eos-ignored-in-ragged", "eos", "fast/strategies/ragged.py",
      "finished = (hit_eos == 1) | (n == remaining)", "finished = n == remaining", RAGGED),
     # ---- budgets
-    ("commit-ignores-budget", "budgets", "fast/verify.py",
-     "n = torch.minimum(accepted + 1, remaining)", "n = accepted + 1", ENGINE),
+    # (Not listed: commit_counts without its min(., remaining). Every engine clamps a row's proposals
+    # to remaining - 1 first, so accepted + 1 <= remaining already; the harness found it equivalent.)
+    ("ragged-budget-off-by-one", "budgets", "fast/strategies/ragged.py",
+     "remaining = self.budget_end[rows] - content", "remaining = self.budget_end[rows] - content + 1", RAGGED),
     ("ragged-draft-past-budget", "budgets", "fast/strategies/ragged.py",
      "clamp = np.minimum(s.k, remaining - 1) if self.draft", "clamp = np.minimum(s.k, remaining) if self.draft",
      RAGGED + PROPOSALS),
