@@ -160,15 +160,12 @@ class DraftController:
         token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)  # one more verified token
         draft_step = self.draft_cost(rows)
         factors = self.depths.factors()
-        caps = np.zeros(rows, dtype=np.int64)
-        propose = np.zeros((rows, self.k))  # P(row proposes d+1 tokens), given its cap allows it
-        accept = np.zeros((rows, self.k))  # P(those d+1 proposals are all accepted)
-        for i, h in enumerate(histories):
-            g, a = h.rates(self.pooled)
-            propose[i] = g ** np.arange(1, self.k + 1)
-            accept[i] = np.cumprod(np.minimum(a * factors, 0.98))
-            while caps[i] < clamp[i] and accept[i, caps[i]] * step_seconds >= token_seconds:
-                caps[i] += 1
+        g, a = np.array([h.rates(self.pooled) for h in histories]).reshape(rows, 2).T
+        depth = np.arange(1, self.k + 1)
+        propose = g[:, None] ** depth[None, :]  # P(row proposes d tokens), given its cap allows it
+        accept = np.cumprod(np.minimum(a[:, None] * factors[None, :], 0.98), axis=1)  # P(those d all accepted)
+        pays = accept * step_seconds >= token_seconds  # the d-th proposal is worth its verify token
+        caps = np.minimum(np.asarray(clamp, dtype=np.int64), pays.cumprod(axis=1).sum(axis=1))
         steps = int(caps.max(initial=0))
         while steps > 0:  # the last draft step must pay for itself
             drafting = caps >= steps

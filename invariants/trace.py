@@ -158,6 +158,12 @@ def _require(obj, fields: dict, where: str) -> None:
             raise TraceError(f"{where}: field {name!r} must be {what}, got {obj[name]!r}"[:300])
 
 
+def _require_object(obj, fields: dict, where: str) -> None:
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: must be an object")
+    _require(obj, fields, where)
+
+
 def validate_schema(path, header: dict, rounds: list, results: dict | None) -> None:
     """The trace's structure (fields present, types right), before any invariant is checked:
     TraceError naming the line's kind and the field."""
@@ -175,11 +181,7 @@ def validate_schema(path, header: dict, rounds: list, results: dict | None) -> N
         if not isinstance(rnd.get("rows"), list):
             raise TraceError(f"{where}: field 'rows' must be a list of rows")
         for i, row in enumerate(rnd["rows"]):
-            if not isinstance(row, dict):
-                raise TraceError(f"{where}, row {i}: must be an object")
-            _require(row, ROW_FIELDS, f"{where}, row {i}")
-            if v2:
-                _require(row, ROW_FIELDS_V2, f"{where}, row {i}")
+            _require_object(row, {**ROW_FIELDS, **(ROW_FIELDS_V2 if v2 else {})}, f"{where}, row {i}")
             if not 0 <= row["request"] < header["num_requests"]:
                 raise TraceError(f"{where}, row {i}: field 'request' is {row['request']}, not a request of the "
                                  f"header's {header['num_requests']}")
@@ -187,9 +189,7 @@ def validate_schema(path, header: dict, rounds: list, results: dict | None) -> N
         if not isinstance(results.get("results"), list):
             raise TraceError(f"{path}: results line: field 'results' must be a list")
         for i, r in enumerate(results["results"]):
-            if not isinstance(r, dict):
-                raise TraceError(f"{path}: results line, entry {i}: must be an object")
-            _require(r, RESULT_FIELDS, f"{path}: results line, entry {i}")
+            _require_object(r, RESULT_FIELDS, f"{path}: results line, entry {i}")
 
 
 def budget(header: dict, request: int) -> int:

@@ -132,7 +132,8 @@ def plot(rows, out_dir: Path) -> list[str]:
 
 def prompt_categories(path) -> list[str]:
     """The `category` of each line of a JSONL prompt file (Spec-Bench has one; "all" where missing)."""
-    lines = [line for line in Path(path).read_bytes().decode("utf-8-sig").split("\n") if line.strip()]
+    from .io import text_lines
+    lines = [line for line in text_lines(Path(path), "prompt file") if line.strip()]
     try:
         objects = [json.loads(line) for line in lines]
     except json.JSONDecodeError:

@@ -50,12 +50,11 @@ def model_identity(model) -> dict:
                 vocab_size=int(model.get_output_embeddings().weight.shape[0]))
 
 
-def _greedy(target, prompts, max_new, eos) -> list[list[int]]:
+def reference_outputs(target, prompts, max_new_tokens, eos_token_ids) -> list[list[int]]:
+    """Target-only greedy decoding, one request at a time (batch 1): the oracle."""
     import specbatch
-    out = []
-    for p, m in zip(prompts, max_new):  # batch 1, one request at a time: the reference
-        out += specbatch.generate(target, None, [p], max_new_tokens=m, batch_size=1, eos_token_id=list(eos)).sequences
-    return out
+    return [specbatch.generate(target, None, [p], max_new_tokens=m, batch_size=1, eos_token_id=list(eos_token_ids)
+                               ).sequences[0] for p, m in zip(prompts, max_new_tokens)]
 
 
 def _top_logits(target, prompt, answer) -> list[list]:
@@ -101,7 +100,7 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
         ids[-1] = pad
         add("pad-in-prompt", ids, 12)
     eos_candidates = [draw(rng.integers(4, 24)) for _ in range(8)]
-    continuations = _greedy(target, eos_candidates, [12] * 8, [])
+    continuations = reference_outputs(target, eos_candidates, [12] * 8, [])
     eos = list(model_eos)
     for offset, (prompt, cont) in enumerate(zip(eos_candidates, continuations), 1):  # EOS at offsets 1..8
         token = cont[offset - 1] if offset <= len(cont) else None
@@ -119,7 +118,7 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
     for _ in range(24):  # enough requests, of mixed lengths and budgets, to churn a continuous batcher
         add("churn", draw(rng.integers(1, 40)), int(rng.integers(1, 17)))
     candidates = [draw(rng.integers(3, 20)) for _ in range(24)]
-    answers = _greedy(target, candidates, [10] * 24, eos)
+    answers = reference_outputs(target, candidates, [10] * 24, eos)
     margins = []
     for p, a in zip(candidates, answers):
         top = _top_logits(target, p, a)
@@ -129,7 +128,7 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
 
     prompts = [r["token_ids"] for r in requests]
     budgets = [r["max_new_tokens"] for r in requests]
-    answers = _greedy(target, prompts, budgets, eos)
+    answers = reference_outputs(target, prompts, budgets, eos)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     count = len(requests)
@@ -158,7 +157,10 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
 
 
 def _default_ulps(dtype: str) -> float:
-    return {"float64": 4096, "float32": 512, "bfloat16": 4, "float16": 4}.get(dtype, 4)
+    import torch
+
+    from .fast.equivalence import TIE_ULPS
+    return TIE_ULPS.get(getattr(torch, dtype, None), 4)
 
 
 # ---------------------------------------------------------------- reading
@@ -274,10 +276,10 @@ class Report:
 
 
 def _ulp(value: float, dtype: str) -> float:
-    import math
-    eps = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}.get(dtype, 2.0**-23)
-    exponent = math.floor(math.log2(abs(value))) if value else 0
-    return eps * 2.0 ** max(exponent, 0)
+    import torch
+
+    from .fast.equivalence import ulp
+    return ulp(value, getattr(torch, dtype, torch.float32))
 
 
 def judge(reference: dict, got: list[int], dtype: str, ulps: float) -> dict:

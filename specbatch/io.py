@@ -27,7 +27,7 @@ class OutputError(Exception):
     """Writing results failed (a full disk, a lost folder); what was flushed before stays readable."""
 
 
-def _text_lines(path: Path, what: str) -> list[str]:
+def text_lines(path: Path, what: str) -> list[str]:
     """The file's lines, split on \n only (a U+2028 or a form feed inside a line stays in it), a
     UTF-8 byte-order mark dropped, \r\n line ends accepted."""
     try:
@@ -45,7 +45,7 @@ def read_prompts(path) -> list[tuple[str, str]]:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such prompt file: {path}")
-    lines = _text_lines(path, "prompt file")
+    lines = text_lines(path, "prompt file")
     numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not numbered:
         raise InputError(f"{path}: the prompt file is empty")
@@ -88,7 +88,7 @@ def read_done(path, known_ids=None) -> dict:
         return done
     if not path.is_file():
         raise InputError(f"{path}: not a regular file")
-    lines = _text_lines(path, "results file")
+    lines = text_lines(path, "results file")
     last = len(lines) - 1  # after the final newline: "" (complete file) or a torn line
     known = None if known_ids is None else set(known_ids)
     for n, line in enumerate(lines, 1):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .conform import Report, Vectors, check_outputs, load_vectors, make_vectors
+from .conform import Report, Vectors, check_outputs, load_vectors, make_vectors, reference_outputs
 
 
 class ConformanceError(AssertionError):
@@ -127,13 +127,6 @@ class Counterexample:
                 f"    eos_token_ids = {self.eos_token_ids!r}\n"
                 f"    expected = {self.expected!r}  # target-only greedy decoding at batch 1\n"
                 f"    assert {engine}(prompts, max_new_tokens, eos_token_ids, batch_size={self.batch_size}) == expected\n")
-
-
-def reference_outputs(target, prompts, max_new_tokens, eos_token_ids) -> list[list[int]]:
-    """Target-only greedy decoding, one request at a time (batch 1): the oracle."""
-    import specbatch
-    return [specbatch.generate(target, None, [p], max_new_tokens=m, batch_size=1, eos_token_id=list(eos_token_ids)
-                               ).sequences[0] for p, m in zip(prompts, max_new_tokens)]
 
 
 def find_counterexample(generate_fn, target, *, max_requests: int = 6, max_prompt: int = 16, max_new: int = 12,

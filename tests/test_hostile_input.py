@@ -38,8 +38,8 @@ def one_line_exit_2(capsys, argv, message):
         code = e.code
     err = [x for x in capsys.readouterr().err.strip().splitlines() if "req/s" not in x and x.strip()]  # minus tqdm
     assert code == 2, err
-    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
-    return err[0]
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return message in err[0]  # callers assert it: the one line names the problem
 
 
 def digest(path):
@@ -92,7 +92,7 @@ def test_a_full_disk_is_one_line_and_resume_completes_to_the_same_bytes(folders,
         original(self, record)
     monkeypatch.setattr(specbatch.io.ResultWriter, "add", add)
     capsys.readouterr()
-    one_line_exit_2(capsys, gen_args(folders, prompt_file, "--out", str(out)), "No space left on device")
+    assert one_line_exit_2(capsys, gen_args(folders, prompt_file, "--out", str(out)), "No space left on device")
     kept = [json.loads(x)["id"] for x in out.read_text().splitlines()]
     assert sorted(kept) == sorted(writes) and len(kept) == 2
     monkeypatch.setattr(specbatch.io.ResultWriter, "add", original)
@@ -137,12 +137,12 @@ def test_a_run_killed_mid_way_resumes_to_the_same_bytes(folders, prompt_file, tm
     (["--draft-threshold", "nan"], "probability"),
 ])
 def test_numbers_out_of_range_are_named(folders, prompt_file, capsys, extra, message):
-    one_line_exit_2(capsys, gen_args(folders, prompt_file, *extra), message)
+    assert one_line_exit_2(capsys, gen_args(folders, prompt_file, *extra), message)
 
 
 @pytest.mark.parametrize("rate", ["nan", "-1", "0", "inf"])
 def test_bench_arrival_rate_is_checked_before_anything_runs(folders, prompt_file, tmp_path, capsys, rate):
-    one_line_exit_2(capsys, ["bench", "--target", folders["target"], "--prompts", str(prompt_file),
+    assert one_line_exit_2(capsys, ["bench", "--target", folders["target"], "--prompts", str(prompt_file),
                              "--out-dir", str(tmp_path / "b"), "--arrival-rate", rate], "arrival_rate must be")
     assert not (tmp_path / "b").exists()
 
@@ -202,7 +202,7 @@ def test_a_byte_order_mark_and_a_raw_line_separator_are_read_right(folders, prom
 def test_a_jsonl_file_of_non_objects_is_an_error(folders, tmp_path, capsys):
     bad = tmp_path / "p.jsonl"
     bad.write_text("w10 w11\nw12\n")
-    one_line_exit_2(capsys, gen_args(folders, bad), "p.jsonl:1: malformed JSON")
+    assert one_line_exit_2(capsys, gen_args(folders, bad), "p.jsonl:1: malformed JSON")
 
 
 @pytest.mark.parametrize("content,message", [
@@ -218,7 +218,7 @@ def test_resume_refuses_results_it_cannot_trust_and_keeps_them(folders, prompt_f
     out = tmp_path / "out.jsonl"
     out.write_bytes(content if isinstance(content, bytes) else content.encode())
     before = digest(out)
-    one_line_exit_2(capsys, gen_args(folders, prompt_file, "--out", str(out), "--resume"), message)
+    assert one_line_exit_2(capsys, gen_args(folders, prompt_file, "--out", str(out), "--resume"), message)
     assert digest(out) == before
 
 
@@ -238,18 +238,18 @@ def test_model_and_device_problems_are_one_line(folders, prompt_file, tmp_path, 
     empty = tmp_path / "noweights"
     empty.mkdir()
     (empty / "config.json").write_text(open(os.path.join(folders["target"], "config.json")).read())
-    one_line_exit_2(capsys, gen_args(dict(folders, target=str(empty)), prompt_file), "cannot load the model in")
+    assert one_line_exit_2(capsys, gen_args(dict(folders, target=str(empty)), prompt_file), "cannot load the model in")
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     for name in os.listdir(folders["target"]):
         data = open(os.path.join(folders["target"], name), "rb").read()
         (corrupt / name).write_bytes(data[: len(data) // 2] if name.endswith(".safetensors") else data)
-    one_line_exit_2(capsys, gen_args(dict(folders, target=str(corrupt)), prompt_file), "cannot load the model in")
-    one_line_exit_2(capsys, gen_args(dict(folders, draft="truncated:100"), prompt_file),
+    assert one_line_exit_2(capsys, gen_args(dict(folders, target=str(corrupt)), prompt_file), "cannot load the model in")
+    assert one_line_exit_2(capsys, gen_args(dict(folders, draft="truncated:100"), prompt_file),
                     "the target has 2 layers; a truncated draft keeps fewer")
     if not torch.cuda.is_available():
-        one_line_exit_2(capsys, gen_args(folders, prompt_file, "--device", "cuda"), "CUDA is not available")
-    one_line_exit_2(capsys, gen_args(folders, prompt_file, "--device", "warp-drive"), "not a device torch knows")
+        assert one_line_exit_2(capsys, gen_args(folders, prompt_file, "--device", "cuda"), "CUDA is not available")
+    assert one_line_exit_2(capsys, gen_args(folders, prompt_file, "--device", "warp-drive"), "not a device torch knows")
 
 
 def test_chat_template_without_one_and_per_category_on_text(folders, prompt_file, tmp_path, capsys):
@@ -260,16 +260,16 @@ def test_chat_template_without_one_and_per_category_on_text(folders, prompt_file
     config.pop("chat_template", None)
     (bare / "tokenizer_config.json").write_text(json.dumps(config))
     (bare / "chat_template.jinja").unlink(missing_ok=True)
-    one_line_exit_2(capsys, gen_args(dict(folders, target=str(bare)), prompt_file, "--chat-template"),
+    assert one_line_exit_2(capsys, gen_args(dict(folders, target=str(bare)), prompt_file, "--chat-template"),
                     "has no chat template")
     text = tmp_path / "p.txt"
     text.write_text("w10 w11\nw12\n")
-    one_line_exit_2(capsys, ["bench", "--target", folders["target"], "--prompts", str(text), "--per-category", "1",
+    assert one_line_exit_2(capsys, ["bench", "--target", folders["target"], "--prompts", str(text), "--per-category", "1",
                              "--out-dir", str(tmp_path / "b")], "--per-category needs a JSONL prompt file")
 
 
 def test_demo_past_the_context_is_one_line(capsys):
-    one_line_exit_2(capsys, ["demo", "--offline", "--max-new-tokens", "5000"], "exceed the target's context")
+    assert one_line_exit_2(capsys, ["demo", "--offline", "--max-new-tokens", "5000"], "exceed the target's context")
 
 
 @pytest.mark.parametrize("lines,message", [
@@ -294,7 +294,7 @@ def test_check_trace_validates_the_schema_first(folders, prompt_file, tmp_path, 
         lines = objs
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     capsys.readouterr()
-    one_line_exit_2(capsys, ["check-trace", str(trace)], message)
+    assert one_line_exit_2(capsys, ["check-trace", str(trace)], message)
 
 
 def test_user_errors_show_a_traceback_only_with_debug(folders, tmp_path):
