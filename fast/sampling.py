@@ -75,8 +75,9 @@ def next_distribution(p_at, q_at, rejected):
 
 def mode_probability(log_probs: torch.Tensor) -> torch.Tensor:
     """The probability of the most likely token, from (unnormalised) log-probabilities [..., V]."""
-    x = log_probs.float()
-    return torch.exp(x.max(dim=-1).values - x.logsumexp(dim=-1))
+    # softmax, not exp(max - logsumexp): logsumexp's exp is several times slower on the very negative
+    # logits of a reduced head or a lookup (2.6 ms against 0.5 ms for [13, 49152] on this CPU)
+    return torch.softmax(log_probs.float(), dim=-1).max(dim=-1).values
 
 
 class Chooser:
