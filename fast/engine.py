@@ -192,7 +192,7 @@ def record_round(settings: Settings, clock, requests, proposals: Proposals, acce
         return
     settings.controller.record(requests, proposals.proposed, accepted, proposals.proposed >= proposals.limit,
                                len(proposals.proposed), proposals.steps, clock.last.get("time_draft", 0.0),
-                               verify_tokens, clock.last.get("time_verify", 0.0))
+                               verify_tokens, clock.last.get("time_verify", 0.0), limit=proposals.limit)
 
 
 def check_proposals(settings: Settings, proposals: Proposals) -> list:

@@ -43,24 +43,38 @@ def proposal_lengths(confidence: np.ndarray, limit: np.ndarray, threshold: float
 
 
 class LinearCost:
-    """seconds = a + b * x, least squares over the last `window` observations (x: tokens or rows)."""
+    """seconds = a + b * x fitted through the median of the last `per_size` observations at each x
+    (x: tokens or rows), weighted by how many there are. Medians, because one round slowed down by
+    the machine must not move the fit: at batch 1 most verifies have one width, and a least-squares
+    line through a few noisy wider ones once put one more verified token at 3-7 ms instead of 0.7."""
 
-    def __init__(self, window: int = 64):
-        self.points: deque = deque(maxlen=window)
+    def __init__(self, per_size: int = 16):
+        self.samples: dict = {}
+        self.per_size = per_size
+        self.fit = None
 
     def add(self, x: float, seconds: float) -> None:
-        self.points.append((float(x), float(seconds)))
+        self.samples.setdefault(float(x), deque(maxlen=self.per_size)).append(float(seconds))
+        self.fit = None
+
+    def measured(self) -> bool:
+        return bool(self.samples)
 
     def ready(self) -> bool:
-        return len({x for x, _ in self.points}) >= 2
+        return len(self.samples) >= 2
 
     def __call__(self, x: float) -> float:
-        xs, ys = np.array(self.points).T
-        if len(set(xs)) < 2:  # one size seen: proportional through that point's mean
-            return float(ys.mean() * x / xs.mean())
-        b, a = np.polyfit(xs, ys, 1)
-        b = max(b, 0.0)
-        a = max(float(ys.mean() - b * xs.mean()), 0.0)
+        if self.fit is None:
+            xs = np.array(list(self.samples))
+            ys = np.array([np.median(v) for v in self.samples.values()])
+            weight = np.array([len(v) for v in self.samples.values()], dtype=float)
+            if len(xs) < 2:  # one size seen: proportional through that point
+                self.fit = (0.0, float(ys[0] / xs[0]))
+            else:
+                b, a = np.polyfit(xs, ys, 1, w=np.sqrt(weight))
+                b = max(float(b), 0.0)
+                self.fit = (max(float(np.average(ys - b * xs, weights=weight)), 0.0), b)
+        a, b = self.fit
         return a + b * x
 
 
@@ -115,15 +129,49 @@ class DepthHistory:
         return rate / rate[0] if len(rate) else rate
 
 
+class StepYield:
+    """What each draft step has bought, measured rather than forecast. Over the rounds that ran
+    step s (0-based: it drafts the (s+1)-th token), pooled and decayed: rows whose limit allowed a
+    proposal at s (eligible), proposals made at s (each costs a verify token) and proposals made at
+    s that were accepted with all earlier ones (each saves a plain round's share). A row reaches a
+    deep step only if its draft was confident at every earlier one, so these rates fold in what a
+    per-step forecast misses: confident streaks, lookup matches that hold for several tokens."""
+
+    DECAY = 0.95
+
+    def __init__(self, k: int):
+        self.eligible, self.proposed, self.accepted = np.zeros(k), np.zeros(k), np.zeros(k)
+
+    def add(self, steps: int, limit, proposed, accepted) -> None:
+        ran = np.arange(len(self.eligible)) < steps
+        depth = np.arange(len(self.eligible))[:, None]
+        limit, proposed = np.asarray(limit)[None, :], np.asarray(proposed)[None, :]
+        landed = np.minimum(np.asarray(accepted)[None, :], proposed)
+        for counts, now in ((self.eligible, (limit > depth).sum(axis=1)), (self.proposed, (proposed > depth).sum(axis=1)),
+                            (self.accepted, (landed > depth).sum(axis=1))):
+            counts[ran] = counts[ran] * self.DECAY + now[ran]
+
+    def worth(self, step: int, eligible: int, step_seconds: float, token_seconds: float, draft_step: float) -> bool:
+        """Whether running step `step` for `eligible` rows is expected to save more than it costs
+        (False while it has not been measured: the controller's first rounds and its probes run it)."""
+        if self.eligible[step] < 1:
+            return False
+        per_row = (self.accepted[step] * step_seconds - self.proposed[step] * token_seconds) / self.eligible[step]
+        return eligible * per_row >= draft_step
+
+
 class DraftController:
     """Chooses each row's cap for the round from measured costs and the row's history.
 
     A row's j-th proposal pays when its chance to be accepted is worth the verify token it costs:
-    a^j x (seconds per token of a plain round: its verify forward and the round's other
-    work) >= (marginal seconds of one more verified
-    token); the round then drafts as many steps as some row's cap, dropping the last step while
-    what the rows expect from it does not cover one draft step. Every PROBE_EVERY rounds each row
-    may propose at least one token, so a row's history keeps being measured."""
+    P(j proposals all accepted) x (seconds per token of a plain round: its verify forward and the
+    round's other work) >= (marginal seconds of one more verified token). The round then drafts as
+    many steps as some row's cap, dropping the last step while what that step has measurably bought
+    in earlier rounds (StepYield, for as many rows as may still draft there) does not cover one
+    draft step. (A forecast from per-step rates, P(propose)^d, dropped deep steps that paid: on
+    Spec-Bench at batch 1 it ran 7% behind fixed k.) Probe rounds (every PROBE_EVERY) let each row
+    propose at least one token, and every step up to a depth that cycles through 1..k run, so row
+    histories and step yields keep being measured."""
 
     PROBE_EVERY = 16
 
@@ -133,6 +181,7 @@ class DraftController:
         self.rows: dict = {}
         self.pooled = RowHistory()
         self.depths = DepthHistory(k)
+        self.steps = StepYield(k)
         self.overhead: deque = deque(maxlen=64)  # seconds of a round outside draft and verify
         self.last_record = None
         self.rounds = 0
@@ -144,12 +193,15 @@ class DraftController:
         clamp = np.asarray(clamp, dtype=np.int64)
         if not self.adaptive or self.k == 0 or not clamp.max():
             caps = clamp
-        elif not self.draft_cost.points or not self.verify_cost.ready():
+        elif not self.draft_cost.measured() or not self.verify_cost.ready():
             caps = clamp  # explore until a draft step and verifies of two widths have been measured
         else:
             caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp)
             if self.rounds % self.PROBE_EVERY == 0:
+                depth = 1 + (self.rounds // self.PROBE_EVERY) % self.k
                 caps = np.maximum(caps, np.minimum(clamp, 1))
+                deepest = int(np.argmax(clamp))  # one row drafts to the probe depth: every step there runs
+                caps[deepest] = max(int(caps[deepest]), min(int(clamp[deepest]), depth))
         self.caps.append(int(caps.max()) if len(caps) else 0)
         return caps
 
@@ -161,28 +213,23 @@ class DraftController:
         draft_step = self.draft_cost(rows)
         factors = self.depths.factors()
         g, a = np.array([h.rates(self.pooled) for h in histories]).reshape(rows, 2).T
-        depth = np.arange(1, self.k + 1)
-        propose = g[:, None] ** depth[None, :]  # P(row proposes d tokens), given its cap allows it
         accept = np.cumprod(np.minimum(a[:, None] * factors[None, :], 0.98), axis=1)  # P(those d all accepted)
         pays = accept * step_seconds >= token_seconds  # the d-th proposal is worth its verify token
         caps = np.minimum(np.asarray(clamp, dtype=np.int64), pays.cumprod(axis=1).sum(axis=1))
         steps = int(caps.max(initial=0))
-        while steps > 0:  # the last draft step must pay for itself
-            drafting = caps >= steps
-            gain = (propose[drafting, steps - 1] * (accept[drafting, steps - 1] * step_seconds - token_seconds)).sum()
-            reached = propose[drafting, steps - 2] if steps > 1 else np.ones(drafting.sum())
-            if gain >= draft_step * (1 - np.prod(1 - reached)):  # the step runs if some row still drafts
-                break
-            steps -= 1
+        while steps > 0 and not self.steps.worth(steps - 1, int((caps >= steps).sum()), step_seconds, token_seconds,
+                                                 draft_step):
+            steps -= 1  # the last step does not pay for itself
             caps = np.minimum(caps, steps)
         return caps
 
     def record(self, requests, proposed, accepted, reached_limit, rows: int, draft_steps: int, draft_seconds: float,
-               verify_tokens: int, verify_seconds: float) -> None:
+               verify_tokens: int, verify_seconds: float, limit=None) -> None:
         """One round's outcome: per row its proposal length, accepted drafts and whether it stopped
-        at its limit (True) or on its confidence (False); the measured seconds."""
+        at its limit (True) or on its confidence (False), and its limit; the measured seconds."""
         if draft_steps:
             self.draft_cost.add(rows, draft_seconds / draft_steps)
+            self.steps.add(draft_steps, proposed if limit is None else limit, proposed, accepted)
         self.verify_cost.add(verify_tokens, verify_seconds)
         now = time.perf_counter()
         if self.last_record is not None:  # commit, bookkeeping, refills: paid once per round, saved by fewer rounds

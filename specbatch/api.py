@@ -84,7 +84,7 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     a second copy of those weights is kept beside the modules); False: transformers' own layers.
     num_draft_tokens: k, the most tokens a row proposes in a round. How many it does propose is
     decided per row (fast.proposals): it stops when the draft's confidence (probability of its most
-    likely next token) falls below draft_threshold (default 0.3; 0: never), and adaptive=True lets a
+    likely next token) falls below draft_threshold (default 0.7; 0: never), and adaptive=True lets a
     cost-aware controller cap each row's proposals from measured step costs and the row's history
     (all caps 0 make a plain target step). adaptive=None: on, except for rejection sampling (where a
     cap that depends on batch and timing would make seeded outputs depend on them). Fixed k:

@@ -261,7 +261,7 @@ def add_model_args(p, draft_default=None):
 def add_proposal_args(p):
     p.add_argument("--draft-threshold", type=probability, default=None,
                    help="a row stops drafting when the draft's confidence (probability of its most likely next "
-                        "token) falls below this (default 0.3; 0: never)")
+                        "token) falls below this (default 0.7; 0: never)")
     p.add_argument("--fixed-k", action="store_true", help="every row drafts --num-draft-tokens every round (no "
                    "confidence threshold, no cost-aware controller)")
 

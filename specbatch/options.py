@@ -16,7 +16,7 @@ DEFAULTS = dict(
     num_draft_tokens=4,  # k: the most tokens a row proposes in a round
     batch_size=8,
     max_new_tokens=128,
-    draft_threshold=0.3,  # a row stops proposing below this draft confidence
+    draft_threshold=0.7,  # a row stops proposing below this draft confidence (docs/draft_eval: calibration)
     max_wait=4,  # exspec: rounds a row may wait for a same-length group
     seed=0,
 )

@@ -55,7 +55,7 @@ def engine_options(args) -> dict:
 
 
 def proposal_options(args) -> dict:
-    """How far rows draft: --draft-threshold (default 0.3) and --fixed-k (no threshold, no controller)."""
+    """How far rows draft: --draft-threshold (default 0.7) and --fixed-k (no threshold, no controller)."""
     if getattr(args, "fixed_k", False):
         return dict(draft_threshold=0.0, adaptive=False)
     threshold = getattr(args, "draft_threshold", None)

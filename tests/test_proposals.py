@@ -64,9 +64,9 @@ def test_linear_cost_fits_and_the_controller_prefers_cheap_likely_drafts():
             c.draft_cost.add(4, draft_step)
         for tokens in (4, 8, 20):
             c.verify_cost.add(tokens, 0.050 + per_token * tokens)
-        for r in range(4):
-            for _ in range(5):
-                c.record([r], [4], [accepted[r]], [True], 4, 4, 4 * draft_step, 5, 0.06)
+        for _ in range(20):  # rounds of the four rows, each proposing its whole limit
+            c.record([0, 1, 2, 3], [4] * 4, accepted, [True] * 4, 4, 4, 4 * draft_step, 20, 0.050 + per_token * 20,
+                     limit=[4] * 4)
         return c.best_caps([c.rows[r] for r in range(4)], np.full(4, 4))
 
     # cheap verify tokens and drafts, every proposal accepted: every row drafts its whole limit
@@ -76,6 +76,35 @@ def test_linear_cost_fits_and_the_controller_prefers_cheap_likely_drafts():
     # moderate costs: the rows whose proposals are accepted draft, the others do not
     caps = controller(0.002, 0.004, [4, 4, 0, 0])
     assert caps[0] > 0 and caps[1] > 0 and caps[2] == caps[3] == 0
+
+
+def test_draft_steps_run_as_far_as_their_measured_yield_pays():
+    """The round's last draft step is dropped while what it bought in earlier rounds (StepYield)
+    does not cover a draft step, whatever the per-proposal forecast says."""
+    draft_step, plain, token = 0.0075, 0.010, 0.001
+
+    def controller(rounds):
+        c = DraftController(k=4, adaptive=True)
+        for tokens in (1, 5):
+            c.verify_cost.add(tokens, plain + (tokens - 1) * token)
+        for _ in range(20):
+            for proposed, accepted, steps in rounds:
+                c.record([0], [proposed], [accepted], [proposed == 4], 1, steps, steps * draft_step, 1 + proposed,
+                         plain + proposed * token, limit=[4])
+        c.overhead.clear()
+        return c
+
+    # a confident streak (a lookup match: 4 proposed, 4 accepted) or a stop at the first step: the deep
+    # steps buy 0.9 plain-round shares each time they run, so all four run (a forecast from the per-step
+    # proposal rate, 0.8^d, would drop steps 2..4)
+    streaky = controller([(0, 0, 1), (4, 4, 4)])
+    assert list(streaky.best_caps([streaky.rows[0]], np.array([4]))) == [4]
+    # one proposal a round, accepted half the time: its verify token pays (0.5 x 10 ms > 1 ms) but the
+    # step buys 4 ms for 7.5 ms of drafting, so the round is a plain target step
+    weak = controller([(1, 1, 2), (1, 0, 2)])
+    assert weak.steps.worth(0, 1, plain, token, 0.003)  # with cheaper draft steps it would run
+    assert weak.steps.worth(0, 2, plain, token, draft_step)  # and for two such rows (the step is shared)
+    assert list(weak.best_caps([weak.rows[0]], np.array([4]))) == [0]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
