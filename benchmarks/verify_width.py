@@ -1,0 +1,53 @@
+"""What one more verified token per row costs: the verify forward's seconds against its width.
+
+A scripted draft that proposes the target's own greedy continuation (every proposal accepted, no
+confidence threshold, no controller) makes every round verify k + 1 tokens per row; the mean verify
+seconds per round at k = 0 (a plain target step), 1, 2, ... show how the forward's cost grows with
+the tokens it verifies at this batch size (the draft's own cost is not counted).
+
+    python benchmarks/verify_width.py --target smollm2 --prompts question.jsonl --per-category 1 \
+        --chat-template [--batch-size 13] [--ks 0,1,2,3,4,6]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def main() -> None:
+    from specbatch import generate
+    from specbatch.bench import first_per_category, prompt_categories
+    from specbatch.fast.drafts import ScriptedDraft
+    from specbatch.fast.loading import load_model
+    from specbatch.prepare import encode_prompts, read_prompt_file
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--per-category", type=int, default=0)
+    p.add_argument("--chat-template", action="store_true")
+    p.add_argument("--batch-size", type=int, default=13)
+    p.add_argument("--max-new-tokens", type=int, default=49)
+    p.add_argument("--ks", default="0,1,2,3,4,6")
+    args = p.parse_args()
+    target, tokenizer = load_model(args.target, "float32")
+    prompts = read_prompt_file(args.prompts)
+    if args.per_category:
+        prompts = [prompts[i] for i in first_per_category(prompt_categories(args.prompts), args.per_category)]
+    ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)[:args.batch_size]
+    never = lambda index, token: np.zeros(np.shape(index), dtype=bool)  # noqa: E731 (never deviate)
+    draft = ScriptedDraft(target, never)
+    print(f"batch {len(ids)}: | k | verified tokens per row | rounds | verify ms per round | ms per verified token |")
+    for k in (int(x) for x in args.ks.split(",")):
+        options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+        if k:
+            result = generate(target, draft, ids, num_draft_tokens=k, draft_threshold=0.0, adaptive=False, **options)
+        else:
+            result = generate(target, None, ids, **options)
+        per_round = 1000 * result.stats["time_verify"] / result.stats["rounds"]
+        print(f"| {k} | {k + 1} | {result.stats['rounds']} | {per_round:.1f} | {per_round / len(ids) / (k + 1):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
