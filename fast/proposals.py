@@ -137,7 +137,7 @@ class StepYield:
     deep step only if its draft was confident at every earlier one, so these rates fold in what a
     per-step forecast misses: confident streaks, lookup matches that hold for several tokens."""
 
-    DECAY = 0.95
+    DECAY = 0.99
 
     def __init__(self, k: int):
         self.eligible, self.proposed, self.accepted = np.zeros(k), np.zeros(k), np.zeros(k)
