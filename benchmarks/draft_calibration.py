@@ -46,9 +46,9 @@ def table(reached: np.ndarray) -> list[dict]:
 
 def main() -> None:
     from specbatch import generate
-    from specbatch.bench import first_per_category, prompt_categories
+    from specbatch.bench import select_prompts
     from specbatch.fast.loading import load_draft, load_model
-    from specbatch.prepare import encode_prompts, read_prompt_file
+    from specbatch.prepare import encode_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
@@ -63,9 +63,7 @@ def main() -> None:
     args = p.parse_args()
     target, tokenizer = load_model(args.target, "float32")
     draft, _ = load_draft(args.draft, target, "float32", "cpu")
-    prompts = read_prompt_file(args.prompts)
-    if args.per_category:
-        prompts = [prompts[i] for i in first_per_category(prompt_categories(args.prompts), args.per_category)]
+    prompts = select_prompts(args.prompts, args.per_category)
     ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
     with tempfile.TemporaryDirectory() as folder:
         trace = Path(folder) / "trace.jsonl"

@@ -23,8 +23,8 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from specbatch.bench import first_per_category, prompt_categories
-    from specbatch.prepare import encode_prompts, read_prompt_file
+    from specbatch.bench import select_prompts
+    from specbatch.prepare import encode_prompts
     from specbatch.fast import prefill
     from specbatch.fast.attention import engine_attention
     from specbatch.fast.engine import Settings
@@ -35,9 +35,7 @@ def main():
     from specbatch.fast.strategies.ragged import ragged_inputs
 
     model, tokenizer = load_model(args.target, args.dtype)
-    prompts = read_prompt_file(args.prompts)
-    if args.per_category:
-        prompts = [prompts[i] for i in first_per_category(prompt_categories(args.prompts), args.per_category)]
+    prompts = select_prompts(args.prompts, args.per_category)
     contents = [p[:-1] for p in encode_prompts([t for _, t in prompts], tokenizer, args.chat_template)]
     dtype = next(model.parameters()).dtype
     settings = Settings(k=0, eos_ids=(), window=None, dtype=dtype, device=torch.device("cpu"),

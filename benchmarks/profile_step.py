@@ -30,13 +30,11 @@ CATEGORIES = {  # operator name -> part of the step
 
 
 def load_ids(args):
-    from specbatch.bench import first_per_category, prompt_categories
-    from specbatch.prepare import encode_prompts, read_prompt_file
+    from specbatch.bench import select_prompts
+    from specbatch.prepare import encode_prompts
     from specbatch.fast.loading import load_model
     model, tokenizer = load_model(args.target, args.dtype)
-    prompts = read_prompt_file(args.prompts)
-    if args.per_category:
-        prompts = [prompts[i] for i in first_per_category(prompt_categories(args.prompts), args.per_category)]
+    prompts = select_prompts(args.prompts, args.per_category)
     ids = encode_prompts([t for _, t in prompts], tokenizer, args.chat_template)[:args.batch_size]
     return model, ids
 

@@ -17,10 +17,10 @@ import numpy as np
 
 def main() -> None:
     from specbatch import generate
-    from specbatch.bench import first_per_category, prompt_categories
+    from specbatch.bench import select_prompts
     from specbatch.fast.drafts import ScriptedDraft
     from specbatch.fast.loading import load_model
-    from specbatch.prepare import encode_prompts, read_prompt_file
+    from specbatch.prepare import encode_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
@@ -32,9 +32,7 @@ def main() -> None:
     p.add_argument("--ks", default="0,1,2,3,4,6")
     args = p.parse_args()
     target, tokenizer = load_model(args.target, "float32")
-    prompts = read_prompt_file(args.prompts)
-    if args.per_category:
-        prompts = [prompts[i] for i in first_per_category(prompt_categories(args.prompts), args.per_category)]
+    prompts = select_prompts(args.prompts, args.per_category)
     ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)[:args.batch_size]
     never = lambda index, token: np.zeros(np.shape(index), dtype=bool)  # noqa: E731 (never deviate)
     draft = ScriptedDraft(target, never)

@@ -15,10 +15,10 @@ whose extra columns the shorter rows never accept: their limit is their own p_i)
 
 `cap` is k unless the cost-aware controller (DraftController, adaptive=True) lowers it: it fits
 the measured seconds of draft steps and verify forwards to the batch size and the number of
-verified tokens, estimates each row's chance to propose and to be accepted from the row's own
-recent history, and gives each row the cap whose proposals are expected to pay for their verify
-tokens and draft steps; a round where every cap is 0 is a plain target step. The cap depends on the batch and the machine: greedy and coupled outputs
-cannot change (any proposal is verified), but rejection-sampled outputs with a fixed seed would,
+verified tokens, estimates each row's chance to be accepted from the row's own recent history,
+gives each row the cap whose proposals are expected to pay for their verify tokens, and runs only
+the draft steps whose measured yield pays for them; a round where every cap is 0 is a plain target
+step. The cap depends on the batch and the machine: greedy and coupled outputs cannot change (any proposal is verified), but rejection-sampled outputs with a fixed seed would,
 so adaptive defaults to off there (their distribution is exact either way).
 """
 from __future__ import annotations
@@ -84,23 +84,17 @@ class RowHistory:
     DECAY = 0.9
 
     def __init__(self):
-        self.proposed = self.stopped = self.accepted = self.rejected = 0.0
+        self.accepted = self.rejected = 0.0
 
-    def add(self, proposed: int, stopped: bool, accepted: int) -> None:
-        for name in ("proposed", "stopped", "accepted", "rejected"):
-            setattr(self, name, getattr(self, name) * self.DECAY)
-        self.proposed += proposed
-        self.stopped += stopped
-        self.accepted += accepted
-        self.rejected += accepted < proposed
+    def add(self, proposed: int, accepted: int) -> None:
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.rejected = self.rejected * self.DECAY + (accepted < proposed)
 
-    def rates(self, prior: "RowHistory | None" = None, weight: float = 2.0) -> tuple[float, float]:
-        """(g, a): P(propose at a step it reaches), P(accepted | proposed, earlier ones accepted),
-        shrunk towards the prior's rates (the batch's pooled history) with `weight` pseudo-counts."""
-        pg, pa = prior.rates(None) if prior is not None else (0.5, 0.5)
-        g = (self.proposed + weight * pg) / (self.proposed + self.stopped + weight)
-        a = (self.accepted + weight * pa) / (self.accepted + self.rejected + weight)
-        return g, a
+    def acceptance(self, prior: "RowHistory | None" = None, weight: float = 2.0) -> float:
+        """P(accepted | proposed, earlier ones accepted), shrunk towards the prior's rate (the batch's
+        pooled history) with `weight` pseudo-counts."""
+        pa = prior.acceptance(None) if prior is not None else 0.5
+        return (self.accepted + weight * pa) / (self.accepted + self.rejected + weight)
 
 
 class DepthHistory:
@@ -212,7 +206,7 @@ class DraftController:
         token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)  # one more verified token
         draft_step = self.draft_cost(rows)
         factors = self.depths.factors()
-        g, a = np.array([h.rates(self.pooled) for h in histories]).reshape(rows, 2).T
+        a = np.array([h.acceptance(self.pooled) for h in histories]).reshape(rows)
         accept = np.cumprod(np.minimum(a[:, None] * factors[None, :], 0.98), axis=1)  # P(those d all accepted)
         pays = accept * step_seconds >= token_seconds  # the d-th proposal is worth its verify token
         caps = np.minimum(np.asarray(clamp, dtype=np.int64), pays.cumprod(axis=1).sum(axis=1))
@@ -224,12 +218,12 @@ class DraftController:
         return caps
 
     def record(self, requests, proposed, accepted, reached_limit, rows: int, draft_steps: int, draft_seconds: float,
-               verify_tokens: int, verify_seconds: float, limit=None) -> None:
+               verify_tokens: int, verify_seconds: float, limit) -> None:
         """One round's outcome: per row its proposal length, accepted drafts and whether it stopped
         at its limit (True) or on its confidence (False), and its limit; the measured seconds."""
         if draft_steps:
             self.draft_cost.add(rows, draft_seconds / draft_steps)
-            self.steps.add(draft_steps, proposed if limit is None else limit, proposed, accepted)
+            self.steps.add(draft_steps, limit, proposed, accepted)
         self.verify_cost.add(verify_tokens, verify_seconds)
         now = time.perf_counter()
         if self.last_record is not None:  # commit, bookkeeping, refills: paid once per round, saved by fewer rounds
@@ -237,8 +231,8 @@ class DraftController:
         self.last_record = now
         for r, p, acc, at_limit in zip(requests, proposed, accepted, reached_limit):
             if p or not at_limit:  # the row drafted (or was stopped by its confidence): evidence
-                self.rows.setdefault(int(r), RowHistory()).add(int(p), not at_limit, int(acc))
-                self.pooled.add(int(p), not at_limit, int(acc))
+                self.rows.setdefault(int(r), RowHistory()).add(int(p), int(acc))
+                self.pooled.add(int(p), int(acc))
                 self.depths.add(int(p), int(acc))
 
     def forget(self, request: int) -> None:

@@ -154,6 +154,14 @@ def first_per_category(categories: list[str], count: int) -> list[int]:
     return chosen
 
 
+def select_prompts(path, per_category: int = 0) -> list:
+    """The prompt file's (id, text) pairs; per_category > 0: the first that many of each category."""
+    prompts = read_prompt_file(path)
+    if per_category:
+        prompts = [prompts[i] for i in first_per_category(prompt_categories(path), per_category)]
+    return prompts
+
+
 def read_peer(path, ident_order, UserError) -> tuple[dict, list]:
     """Another engine's results (benchmarks/peer_vllm.py writes them): a header line with `seconds`
     (its generate call's wall time) and optional `label`, then {"id", "token_ids"} per request.
@@ -243,10 +251,7 @@ def run_bench(args) -> int:
     unknown = [m for m in methods if m not in KNOWN]
     if unknown:
         raise UserError(f"unknown method {unknown[0]!r}; expected some of {', '.join(KNOWN)}")
-    prompts = read_prompt_file(args.prompts)
-    if args.per_category:
-        prompts = [prompts[i] for i in first_per_category(prompt_categories(args.prompts), args.per_category)]
-    prompts = prompts[:args.limit]
+    prompts = select_prompts(args.prompts, args.per_category)[:args.limit]
     peer_data = [(path, *read_peer(path, [ident for ident, _ in prompts], UserError)) for path in args.compare or []]
     target, draft, tokenizer = load_pair(args)
     if draft is None and any(m != "ar" for m in methods):

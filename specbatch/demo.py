@@ -78,7 +78,7 @@ def run_demo(args) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, progress=True)
     start = time.perf_counter()
     plain_speed, spec_speed = [], []
-    for _ in range(getattr(args, "repeats", 1)):  # alternating, so a slower spell of the machine hits both
+    for _ in range(args.repeats):  # alternating, so a slower spell of the machine hits both
         plain = specbatch.generate(target, None, ids, **kw)
         spec = specbatch.generate(target, draft, ids, num_draft_tokens=args.num_draft_tokens, strategy="ragged", **kw)
         plain_speed.append(plain.stats["tokens_per_second"])

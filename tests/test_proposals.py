@@ -14,7 +14,7 @@ import specbatch
 import specbatch.fast.engine as engine
 from hf_models import EOS, VOCAB, oracle, tiny
 from specbatch.fast.drafts import ScriptedDraft
-from specbatch.fast.proposals import DraftController, LinearCost, proposal_lengths
+from specbatch.fast.proposals import DraftController, LinearCost, RowHistory, proposal_lengths
 from specbatch.invariants import InvariantError, check_proposal_lengths, check_trace
 from specbatch.reference import ToyLM, confidence_hashed, deviate_at, deviate_hashed
 from specbatch.reference import generate as reference_generate
@@ -76,6 +76,15 @@ def test_linear_cost_fits_and_the_controller_prefers_cheap_likely_drafts():
     # moderate costs: the rows whose proposals are accepted draft, the others do not
     caps = controller(0.002, 0.004, [4, 4, 0, 0])
     assert caps[0] > 0 and caps[1] > 0 and caps[2] == caps[3] == 0
+
+
+def test_a_rows_acceptance_counts_a_rejection_only_when_a_proposal_was_turned_down():
+    h = RowHistory()
+    h.add(4, 4)  # all four accepted: no rejection
+    assert h.acceptance() == pytest.approx((4 + 2 * 0.5) / (4 + 2))
+    h.add(3, 1)  # the second of three turned down; the earlier counts forgotten by DECAY
+    d = RowHistory.DECAY
+    assert h.acceptance() == pytest.approx((4 * d + 1 + 1) / (4 * d + 1 + 1 + 2))
 
 
 def test_draft_steps_run_as_far_as_their_measured_yield_pays():
