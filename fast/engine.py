@@ -78,6 +78,7 @@ class Stats:
     accepted_tokens: int = 0
     generated_tokens: int = 0
     row_rounds: int = 0  # sum over rounds of the rows in the round
+    lookup_rounds: int = 0  # rounds whose proposals all came from prompt lookup: no draft model forward
     time_total: float = 0.0
     time_prefill: float = 0.0
     time_draft: float = 0.0
@@ -97,8 +98,9 @@ class Stats:
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in (
-            "rounds", "drafted_tokens", "accepted_tokens", "generated_tokens", "time_total", "time_prefill",
-            "time_draft", "time_verify", "time_align", "target_tokens_processed", "draft_tokens_processed")}
+            "rounds", "drafted_tokens", "accepted_tokens", "generated_tokens", "lookup_rounds", "time_total",
+            "time_prefill", "time_draft", "time_verify", "time_align", "target_tokens_processed",
+            "draft_tokens_processed")}
         out["mean_accepted_length"] = self.generated_tokens / self.row_rounds if self.row_rounds else 0.0
         out["acceptance_rate"] = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
         out["tokens_per_second"] = self.generated_tokens / self.time_total if self.time_total else 0.0
@@ -139,7 +141,9 @@ class Clock:
 class Proposals:
     """One round's drafting: drafted [R, steps] (tokens of every step run; a row's proposals are its
     first `proposed` ones, the rest are never accepted), q [R, steps, V] for rejection sampling, the
-    confidences [R, steps] the rule saw, each row's limit min(k, remaining - 1, cap) and cap."""
+    confidences [R, steps] the rule saw, each row's limit min(k, remaining - 1, cap) and cap, the
+    steps run and how many of them ran the draft model (the first `model_steps`; the others were
+    lookup steps, see draft_round)."""
 
     drafted: torch.Tensor
     q: torch.Tensor | None
@@ -148,6 +152,8 @@ class Proposals:
     limit: np.ndarray
     caps: np.ndarray
     steps: int
+    model_steps: int
+    lookup_rows: np.ndarray  # rows that drafted by prompt lookup alone
 
     @property
     def width(self) -> int:
@@ -155,20 +161,49 @@ class Proposals:
         return int(self.proposed.max()) + 1 if len(self.proposed) else 1
 
 
-def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, content, device) -> Proposals:
+def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, content, device,
+                lookup_step=None, remaining=None, waiting: bool = True) -> Proposals:
     """Run the draft step by step and apply the proposal rule (fast.proposals) to each row.
 
     step_forward(step, ids) -> the draft's logits [R, V] at each row's last query; ids is None at
     step 0 (the engine feeds each row's pending tokens), then the previous proposals [R, 1].
-    clamp: each row's min(k, remaining - 1). Drafting stops as soon as no row proposes."""
-    caps = settings.controller.row_caps(requests.tolist(), clamp) if settings.controller else np.asarray(clamp)
+    clamp: each row's min(k, remaining - 1). Drafting stops as soon as no row proposes. remaining
+    (each row's tokens left) and waiting (whether requests wait for a row) tell the controller what
+    a token saves (DraftController.token_values).
+
+    lookup_step(step, ids) -> (logits [R, V], matched [R]), for a lookup-first draft
+    (fast.lookup_draft.LookupFirstDraft): its prompt lookup over each row's content and proposals so
+    far, one-hot where an n-gram of at least its min_match tokens matched, uniform elsewhere. A row
+    whose lookup matches at step 0 is a lookup row: it drafts this round by lookup alone and stops
+    where the chain of matches breaks (a function of its own content, like any draft). The model then
+    runs only while some other row still drafts; a round of lookup rows alone runs no model at all,
+    and the model's cache catches up on the next round that runs it (its pending tokens)."""
+    caps, lookup_caps = (settings.controller.row_caps(requests.tolist(), clamp, remaining, waiting)
+                         if settings.controller else (np.asarray(clamp), np.asarray(clamp)))
     limit = np.minimum(clamp, caps)
     rows = len(clamp)
     steps, dists, confidences = [], [], []
     active, proposed = limit > 0, np.zeros(rows, dtype=np.int64)
-    ids = None
-    for step in range(int(limit.max()) if rows else 0):
-        logits = step_forward(step, ids)
+    ids, lookup_rows, model_steps = None, np.zeros(rows, dtype=bool), 0
+    for step in range(int(np.minimum(clamp, np.maximum(caps, lookup_caps)).max()) if rows else 0):
+        found = lookup_step(step, ids) if lookup_step is not None else None
+        if found is not None and step == 0:  # one small host copy: which rows draft by lookup
+            lookup_rows = (found[1] > 0).cpu().numpy()
+            caps = np.where(lookup_rows, lookup_caps, caps)
+            limit = np.minimum(clamp, caps)
+            active = limit > 0
+            if not active.any():
+                break
+        if (active & ~lookup_rows).any():
+            logits = step_forward(step, ids)
+            model_steps = step + 1
+            if lookup_rows.any():
+                logits = torch.where(torch.as_tensor(lookup_rows, device=logits.device)[:, None],
+                                     found[0].to(logits.dtype), logits)
+        elif found is not None:
+            logits = found[0]
+        else:
+            break  # no row may draft this round
         token, dist, confidence = settings.chooser.draft(logits, requests, content + step)
         ids = token[:, None]
         steps.append(ids)
@@ -183,7 +218,8 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     drafted = torch.cat(steps, dim=1) if steps else torch.zeros(rows, 0, dtype=torch.long, device=device)
     q = torch.stack(dists, dim=1) if steps and settings.chooser.needs_q else None
     confidence = torch.stack(confidences, dim=1) if steps else None
-    return Proposals(drafted, q, confidence, proposed, limit, np.asarray(caps), len(steps))
+    return Proposals(drafted, q, confidence, proposed, limit, np.asarray(caps), len(steps), model_steps,
+                     lookup_rows)
 
 
 def record_round(settings: Settings, clock, requests, proposals: Proposals, accepted, verify_tokens: int) -> None:
@@ -191,8 +227,9 @@ def record_round(settings: Settings, clock, requests, proposals: Proposals, acce
     if settings.controller is None:
         return
     settings.controller.record(requests, proposals.proposed, accepted, proposals.proposed >= proposals.limit,
-                               len(proposals.proposed), proposals.steps, clock.last.get("time_draft", 0.0),
-                               verify_tokens, clock.last.get("time_verify", 0.0), limit=proposals.limit)
+                               len(proposals.proposed), proposals.model_steps, clock.last.get("time_draft", 0.0),
+                               verify_tokens, clock.last.get("time_verify", 0.0), limit=proposals.limit,
+                               model_rows=~proposals.lookup_rows)
 
 
 def check_proposals(settings: Settings, proposals: Proposals) -> list:

@@ -34,12 +34,19 @@ def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int, min_ngr
     history, _ = cache.update(ids, ids, layer)
     history = history[:, 0, :, 0].round().long()  # [B, S]
     visible = attention_mask[:, 0, -1, :] == 0
-    batch, slots = history.shape
     token = torch.where(visible, history, torch.full_like(history, -1))
-    position = torch.arange(slots, device=history.device)[None, :]
+    position = torch.arange(history.shape[1], device=history.device)[None, :]
     last = (visible.long() * position).argmax(dim=1)  # the query's slot
+    return latest_match(token, last, max_ngram, min_ngram)
+
+
+def latest_match(token, last, max_ngram: int, min_ngram: int = 1):
+    """token [B, S]: each row's history (-1 where hidden), last [B]: the slot of its last token.
+    Returns (proposal [B], matched [B]) as `lookup` describes."""
+    batch, slots = token.shape
+    position = torch.arange(slots, device=token.device)[None, :]
     proposal = token.gather(1, last[:, None])[:, 0]
-    matched = torch.zeros(batch, dtype=torch.long, device=history.device)
+    matched = torch.zeros(batch, dtype=torch.long, device=token.device)
     for n in range(max_ngram, min_ngram - 1, -1):
         match = (position < last[:, None]) & (position >= n - 1)  # j: end of an earlier n-gram
         for offset in range(n):  # token[j - offset] == token[last - offset]

@@ -145,21 +145,24 @@ class StepYield:
                             (self.accepted, (landed > depth).sum(axis=1))):
             counts[ran] = counts[ran] * self.DECAY + now[ran]
 
-    def worth(self, step: int, eligible: int, step_seconds: float, token_seconds: float, draft_step: float) -> bool:
-        """Whether running step `step` for `eligible` rows is expected to save more than it costs
-        (False while it has not been measured: the controller's first rounds and its probes run it)."""
+    def worth(self, step: int, values: np.ndarray, token_seconds: float, draft_step: float) -> bool:
+        """Whether running step `step` for the rows that may draft there (`values`: the seconds an
+        accepted token saves in each, DraftController.token_values) is expected to save more than
+        it costs (False while it has not been measured: the controller's first rounds and its probes
+        run it)."""
         if self.eligible[step] < 1:
             return False
-        per_row = (self.accepted[step] * step_seconds - self.proposed[step] * token_seconds) / self.eligible[step]
-        return eligible * per_row >= draft_step
+        accepted, proposed = self.accepted[step] / self.eligible[step], self.proposed[step] / self.eligible[step]
+        return accepted * float(np.sum(values)) - proposed * len(values) * token_seconds >= draft_step
 
 
 class DraftController:
     """Chooses each row's cap for the round from measured costs and the row's history.
 
     A row's j-th proposal pays when its chance to be accepted is worth the verify token it costs:
-    P(j proposals all accepted) x (seconds per token of a plain round: its verify forward and the
-    round's other work) >= (marginal seconds of one more verified token). The round then drafts as
+    P(j proposals all accepted) x (seconds an accepted token saves in that row: token_values, a
+    plain round's share while requests wait, and only in the rows that finish last when none
+    does) >= (marginal seconds of one more verified token). The round then drafts as
     many steps as some row's cap, dropping the last step while what that step has measurably bought
     in earlier rounds (StepYield, for as many rows as may still draft there) does not cover one
     draft step. (A forecast from per-step rates, P(propose)^d, dropped deep steps that paid: on
@@ -168,6 +171,11 @@ class DraftController:
     histories and step yields keep being measured."""
 
     PROBE_EVERY = 16
+    # Draft steps are trimmed by their measured yield from this many rows up. Below it a verify token
+    # costs about 1% of a round and a draft step about 10%, so the yields hover at break-even, and a
+    # trimmed step is measured again only in probes: on Spec-Bench at batch 1 the trimming cost 6-13%
+    # against the threshold alone (27.8-28.1 vs 24.7-26.1 tokens/s), while from batch 4 it gains.
+    TRIM_FROM_ROWS = 3
 
     def __init__(self, k: int, adaptive: bool):
         self.k, self.adaptive = k, adaptive
@@ -177,54 +185,82 @@ class DraftController:
         self.depths = DepthHistory(k)
         self.steps = StepYield(k)
         self.overhead: deque = deque(maxlen=64)  # seconds of a round outside draft and verify
+        self.drafting: deque = deque(maxlen=64)  # seconds of drafting per round (0 where none ran)
         self.last_record = None
         self.rounds = 0
         self.caps: list = []  # the round's largest cap, per round (statistics)
 
-    def row_caps(self, requests, clamp: np.ndarray) -> np.ndarray:
-        """Each row's cap this round (clamp: the row's min(k, remaining - 1))."""
+    def row_caps(self, requests, clamp: np.ndarray, remaining=None, waiting: bool = True):
+        """(caps, lookup_caps): each row's cap this round for proposals that need draft model steps,
+        and for proposals a lookup row makes by prompt lookup alone (engine.draft_round), which
+        cost verify tokens but no draft step. clamp: the row's min(k, remaining - 1); remaining:
+        the tokens left in each row's budget; waiting: whether requests wait for a row to finish."""
         self.rounds += 1
         clamp = np.asarray(clamp, dtype=np.int64)
         if not self.adaptive or self.k == 0 or not clamp.max():
-            caps = clamp
+            caps = lookup_caps = clamp
         elif not self.draft_cost.measured() or not self.verify_cost.ready():
-            caps = clamp  # explore until a draft step and verifies of two widths have been measured
+            caps = lookup_caps = clamp  # explore until a draft step and verifies of two widths have been measured
         else:
-            caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp)
+            caps, lookup_caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp,
+                                               remaining, waiting)
             if self.rounds % self.PROBE_EVERY == 0:
                 depth = 1 + (self.rounds // self.PROBE_EVERY) % self.k
                 caps = np.maximum(caps, np.minimum(clamp, 1))
                 deepest = int(np.argmax(clamp))  # one row drafts to the probe depth: every step there runs
                 caps[deepest] = max(int(caps[deepest]), min(int(clamp[deepest]), depth))
+                lookup_caps = np.maximum(lookup_caps, caps)
         self.caps.append(int(caps.max()) if len(caps) else 0)
-        return caps
+        return caps, lookup_caps
 
-    def best_caps(self, histories, clamp: np.ndarray) -> np.ndarray:
+    def best_caps(self, histories, clamp: np.ndarray, remaining=None, waiting: bool = True):
+        """(caps, lookup_caps): lookup_caps are the caps whose proposals pay for their verify tokens;
+        caps are those cut to the draft steps that pay for themselves."""
         rows = len(histories)
-        overhead = float(np.median(self.overhead)) if self.overhead else 0.0
-        step_seconds = max(self.verify_cost(rows) + overhead, 1e-9) / rows  # a plain round, per token
+        # a round saved saves its verify, its other work and its drafting
+        overhead = (float(np.median(self.overhead)) if self.overhead else 0.0) + \
+            (float(np.mean(self.drafting)) if self.drafting else 0.0)
         token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)  # one more verified token
         draft_step = self.draft_cost(rows)
+        value = self.token_values(rows, overhead, remaining, waiting)
         factors = self.depths.factors()
         a = np.array([h.acceptance(self.pooled) for h in histories]).reshape(rows)
         accept = np.cumprod(np.minimum(a[:, None] * factors[None, :], 0.98), axis=1)  # P(those d all accepted)
-        pays = accept * step_seconds >= token_seconds  # the d-th proposal is worth its verify token
-        caps = np.minimum(np.asarray(clamp, dtype=np.int64), pays.cumprod(axis=1).sum(axis=1))
-        steps = int(caps.max(initial=0))
-        while steps > 0 and not self.steps.worth(steps - 1, int((caps >= steps).sum()), step_seconds, token_seconds,
-                                                 draft_step):
+        pays = accept * value[:, None] >= token_seconds  # the d-th proposal is worth its verify token
+        lookup_caps = np.minimum(np.asarray(clamp, dtype=np.int64), pays.cumprod(axis=1).sum(axis=1))
+        caps, steps = lookup_caps, int(lookup_caps.max(initial=0))
+        while rows >= self.TRIM_FROM_ROWS and steps > 0 and not self.steps.worth(steps - 1, value[caps >= steps], token_seconds, draft_step):
             steps -= 1  # the last step does not pay for itself
             caps = np.minimum(caps, steps)
-        return caps
+        return caps, lookup_caps
+
+    def token_values(self, rows: int, overhead: float, remaining=None, waiting: bool = True) -> np.ndarray:
+        """Seconds an accepted token saves, per row. A round of R rows costs verify(R) + overhead;
+        verified tokens are the committed ones plus the rejected proposals, so an accepted token
+        saves only by making rounds fewer. While requests wait (or no budgets are given), every
+        slot-round yields a token, and a token saves its share of a round, (verify(R) +
+        overhead) / R. With nobody waiting the batch runs until its last row finishes: only the
+        rows that may finish last (the most tokens left, within one round's k) shorten it, so a
+        token saves one round's cost shared among those m rows, and nothing elsewhere."""
+        if waiting or remaining is None or rows < 2:
+            return np.full(rows, max(self.verify_cost(rows) + overhead, 1e-9) / rows)
+        remaining = np.asarray(remaining)
+        last = remaining >= remaining.max() - self.k
+        m = int(last.sum())
+        return np.where(last, max(self.verify_cost(m) + overhead, 1e-9) / m, 0.0)
 
     def record(self, requests, proposed, accepted, reached_limit, rows: int, draft_steps: int, draft_seconds: float,
-               verify_tokens: int, verify_seconds: float, limit) -> None:
+               verify_tokens: int, verify_seconds: float, limit, model_rows=None) -> None:
         """One round's outcome: per row its proposal length, accepted drafts and whether it stopped
-        at its limit (True) or on its confidence (False), and its limit; the measured seconds."""
+        at its limit (True) or on its confidence (False), and its limit; the measured seconds;
+        draft_steps: the draft model's steps; model_rows: the rows drafted by the model (None: all;
+        the others were lookup rows, whose free proposals say nothing of what a model step buys)."""
         if draft_steps:
             self.draft_cost.add(rows, draft_seconds / draft_steps)
-            self.steps.add(draft_steps, limit, proposed, accepted)
+            use = slice(None) if model_rows is None else np.asarray(model_rows, dtype=bool)
+            self.steps.add(draft_steps, np.asarray(limit)[use], np.asarray(proposed)[use], np.asarray(accepted)[use])
         self.verify_cost.add(verify_tokens, verify_seconds)
+        self.drafting.append(draft_seconds)
         now = time.perf_counter()
         if self.last_record is not None:  # commit, bookkeeping, refills: paid once per round, saved by fewer rounds
             self.overhead.append(max(now - self.last_record - draft_seconds - verify_seconds, 0.0))

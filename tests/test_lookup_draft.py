@@ -103,3 +103,84 @@ def test_lookup_never_matches_across_the_padding(strategy, tmp_path):
     batch_out, batched = drafts(5)
     assert alone_out == batch_out == oracle(target, prompts, 8, [EOS])
     assert batched == alone
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_lookup_rows_draft_without_the_model_and_stay_exact(batch_size):
+    """ragged: a row whose lookup matches at the start of a round drafts by lookup alone; rounds of
+    such rows only run no draft forward (lookup_rounds), and the draft's cache catches up later (I3
+    checks it against a fresh prefill every round)."""
+    target = tiny("llama")
+    prompts = repetitive_prompts()
+    draft = LookupFirstDraft(tiny("llama", layers=1, seed=5), min_match=2)
+    kwargs = dict(max_new_tokens=14, num_draft_tokens=4, batch_size=batch_size, strategy="ragged")
+    result = specbatch.generate(target, draft, prompts, check_invariants=True, **kwargs)
+    assert result.sequences == oracle(target, prompts, 14, [EOS])
+    assert result.stats["lookup_rounds"] > 0
+    fixed = specbatch.generate(target, draft, prompts, draft_threshold=0.0, adaptive=False, **kwargs)
+    assert fixed.stats["lookup_rounds"] == 0  # no threshold: every row drafts k from the model as before
+    assert result.stats["draft_tokens_processed"] < fixed.stats["draft_tokens_processed"]
+
+
+def test_lookup_rows_keep_coupled_sampling_exact():
+    target = tiny("llama")
+    prompts = repetitive_prompts()
+    draft = LookupFirstDraft(tiny("llama", layers=1, seed=5), min_match=2)
+    kwargs = dict(max_new_tokens=14, batch_size=3, strategy="ragged", temperature=0.8, sampling="coupled", seed=4)
+    result = specbatch.generate(target, draft, prompts, num_draft_tokens=4, check_invariants=True, **kwargs)
+    assert result.stats["lookup_rounds"] > 0
+    assert result.sequences == specbatch.generate(target, None, prompts, **kwargs).sequences
+
+
+class FakeLookup:
+    """lookup_step for draft_round: row r's lookup proposes token 20 + r at the steps in matches[r]."""
+
+    def __init__(self, matches, vocab=40):
+        self.matches, self.vocab = matches, vocab
+
+    def __call__(self, step, ids):
+        rows = len(self.matches)
+        matched = torch.tensor([2 * (step in m) for m in self.matches])
+        one_hot = torch.full((rows, self.vocab), -1e4).scatter_(1, 20 + torch.arange(rows)[:, None], 0.0)
+        return torch.where((matched > 0)[:, None], one_hot, torch.zeros(rows, self.vocab)), matched
+
+
+def run_draft_round(matches, model_confident_steps, k=4):
+    """draft_round on fakes: the model proposes token 7 while step < model_confident_steps[r], then
+    nothing it is sure of; returns (proposals, model calls)."""
+    from specbatch.fast.engine import Settings, draft_round
+    calls = []
+    confident = torch.tensor(model_confident_steps)
+
+    def step_forward(step, ids):
+        calls.append(step)
+        logits = torch.zeros(len(confident), 40)
+        logits[:, 7] = torch.where(confident > step, 100.0, 0.0)
+        return logits
+
+    settings = Settings(k=k, eos_ids=(), window=None, dtype=torch.float32, device=torch.device("cpu"), fill=-1e9,
+                        threshold=0.5)
+    rows = len(matches)
+    proposals = draft_round(step_forward, settings, np.full(rows, k), torch.arange(rows), torch.zeros(rows, dtype=torch.long),
+                            "cpu", FakeLookup(matches))
+    return proposals, calls
+
+
+def test_draft_round_lookup_rows_follow_their_own_chain():
+    # row 0: lookup matches for 3 steps; row 1: no match at step 0, so the model drafts it (2 sure steps)
+    proposals, calls = run_draft_round([{0, 1, 2}, set()], [4, 2])
+    assert proposals.proposed.tolist() == [3, 2]
+    assert proposals.drafted[0, :3].tolist() == [20, 20, 20] and proposals.drafted[1, :2].tolist() == [7, 7]
+    assert calls == [0, 1, 2] and proposals.model_steps == 3  # the model runs while row 1 may still draft
+    # a row that matches only from step 1 on is a model row for the whole round; a lookup row whose
+    # chain breaks stops even where the model is sure (and a later match does not restart it)
+    proposals, calls = run_draft_round([{0, 2}, {1, 2}, set()], [4, 3, 0])
+    assert proposals.proposed.tolist() == [1, 3, 0]
+    assert proposals.drafted[1, :3].tolist() == [7, 7, 7] and calls == [0, 1, 2, 3]  # step 3: row 1 unsure
+
+
+def test_draft_round_of_lookup_rows_alone_runs_no_model():
+    proposals, calls = run_draft_round([{0, 1}, {0, 1, 2, 3}], [4, 4])
+    assert calls == [] and proposals.model_steps == 0
+    assert proposals.proposed.tolist() == [2, 4]  # each stops where its own chain breaks
+    assert proposals.drafted[1].tolist() == [21] * 4

@@ -67,7 +67,7 @@ def test_linear_cost_fits_and_the_controller_prefers_cheap_likely_drafts():
         for _ in range(20):  # rounds of the four rows, each proposing its whole limit
             c.record([0, 1, 2, 3], [4] * 4, accepted, [True] * 4, 4, 4, 4 * draft_step, 20, 0.050 + per_token * 20,
                      limit=[4] * 4)
-        return c.best_caps([c.rows[r] for r in range(4)], np.full(4, 4))
+        return c.best_caps([c.rows[r] for r in range(4)], np.full(4, 4))[0]
 
     # cheap verify tokens and drafts, every proposal accepted: every row drafts its whole limit
     assert list(controller(0.001, 0.0005, [4, 4, 4, 4])) == [4, 4, 4, 4]
@@ -76,6 +76,29 @@ def test_linear_cost_fits_and_the_controller_prefers_cheap_likely_drafts():
     # moderate costs: the rows whose proposals are accepted draft, the others do not
     caps = controller(0.002, 0.004, [4, 4, 0, 0])
     assert caps[0] > 0 and caps[1] > 0 and caps[2] == caps[3] == 0
+
+
+def test_with_nobody_waiting_only_the_rows_that_finish_last_draft():
+    """All requests running at once: the batch lasts as long as its last row, so a token accepted in
+    a row far ahead saves nothing (verified tokens = committed + rejected) and such rows do not
+    propose; the rows with the most tokens left share a round's cost."""
+    c = DraftController(k=4, adaptive=True)
+    for _ in range(3):
+        c.draft_cost.add(4, 0.002)
+    for tokens in (2, 4, 8):
+        c.verify_cost.add(tokens, 0.040 + 0.003 * tokens)
+    for _ in range(20):
+        c.record([0, 1, 2, 3], [2] * 4, [1] * 4, [False] * 4, 4, 3, 0.006, 12, 0.076, limit=[4] * 4)
+    c.overhead.clear()
+    c.drafting.clear()
+    remaining = np.array([100, 97, 40, 10])
+    values = c.token_values(4, 0.0, remaining, waiting=False)
+    assert values[2] == values[3] == 0 and values[0] == values[1] == pytest.approx((0.040 + 0.003 * 2) / 2)
+    assert np.allclose(c.token_values(4, 0.0, remaining, waiting=True), (0.040 + 0.003 * 4) / 4)
+    histories = [c.rows[r] for r in range(4)]
+    caps, _ = c.best_caps(histories, np.full(4, 4), remaining, waiting=False)
+    assert caps[0] > 0 and caps[1] > 0 and caps[2] == caps[3] == 0
+    assert (c.best_caps(histories, np.full(4, 4), remaining, waiting=True)[0] > 0).all()
 
 
 def test_a_rows_acceptance_counts_a_rejection_only_when_a_proposal_was_turned_down():
@@ -89,31 +112,55 @@ def test_a_rows_acceptance_counts_a_rejection_only_when_a_proposal_was_turned_do
 
 def test_draft_steps_run_as_far_as_their_measured_yield_pays():
     """The round's last draft step is dropped while what it bought in earlier rounds (StepYield)
-    does not cover a draft step, whatever the per-proposal forecast says."""
-    draft_step, plain, token = 0.0075, 0.010, 0.001
+    does not cover a draft step, whatever the per-proposal forecast says (three rows alike)."""
+    draft_step, plain, token = 0.005, 0.010, 0.001
 
     def controller(rounds):
         c = DraftController(k=4, adaptive=True)
-        for tokens in (1, 5):
-            c.verify_cost.add(tokens, plain + (tokens - 1) * token)
+        for tokens in (3, 15):
+            c.verify_cost.add(tokens, plain + (tokens - 3) * token)
         for _ in range(20):
             for proposed, accepted, steps in rounds:
-                c.record([0], [proposed], [accepted], [proposed == 4], 1, steps, steps * draft_step, 1 + proposed,
-                         plain + proposed * token, limit=[4])
+                c.record([0, 1, 2], [proposed] * 3, [accepted] * 3, [proposed == 4] * 3, 3, steps, steps * draft_step,
+                         3 * (1 + proposed), plain + 3 * proposed * token, limit=[4] * 3)
         c.overhead.clear()
+        c.drafting.clear()
         return c
 
     # a confident streak (a lookup match: 4 proposed, 4 accepted) or a stop at the first step: the deep
-    # steps buy 0.9 plain-round shares each time they run, so all four run (a forecast from the per-step
-    # proposal rate, 0.8^d, would drop steps 2..4)
+    # steps buy a plain round's share in each row each time they run, so all four run (a forecast from
+    # the per-step proposal rate, 0.8^d, would drop steps 2..4)
     streaky = controller([(0, 0, 1), (4, 4, 4)])
-    assert list(streaky.best_caps([streaky.rows[0]], np.array([4]))) == [4]
-    # one proposal a round, accepted half the time: its verify token pays (0.5 x 10 ms > 1 ms) but the
-    # step buys 4 ms for 7.5 ms of drafting, so the round is a plain target step
+    assert list(streaky.best_caps([streaky.rows[r] for r in range(3)], np.full(3, 4))[0]) == [4, 4, 4]
+    # one proposal a round, accepted half the time: its verify token pays (0.5 x 3.3 ms > 1 ms) but the
+    # step buys 2 ms net for 5 ms of drafting, so the round is a plain target step
     weak = controller([(1, 1, 2), (1, 0, 2)])
-    assert weak.steps.worth(0, 1, plain, token, 0.003)  # with cheaper draft steps it would run
-    assert weak.steps.worth(0, 2, plain, token, draft_step)  # and for two such rows (the step is shared)
-    assert list(weak.best_caps([weak.rows[0]], np.array([4]))) == [0]
+    assert weak.steps.worth(0, np.array([plain]), token, 0.003)  # a row worth a whole round: it would run
+    assert weak.steps.worth(0, np.array([plain, plain]), token, draft_step)  # and for two such rows
+    caps, lookup_caps = weak.best_caps([weak.rows[r] for r in range(3)], np.full(3, 4))
+    assert list(caps) == [0, 0, 0]
+    assert (lookup_caps > 0).all()  # a lookup row's proposals need no draft step: they only pay their verify
+    # below TRIM_FROM_ROWS rows the threshold alone decides how far a row drafts
+    assert list(weak.best_caps([weak.rows[0]] * 2, np.full(2, 4))[0]) == list(weak.best_caps(
+        [weak.rows[0]] * 2, np.full(2, 4))[1])
+
+
+def test_a_saved_round_saves_its_drafting_too():
+    """What an accepted token saves includes the drafting of the round it saves (mean draft seconds
+    per round, rounds without drafting counted as 0), besides its verify and other work."""
+    c = DraftController(k=4, adaptive=True)
+    c.draft_cost.add(4, 0.004)
+    for tokens in (4, 8):
+        c.verify_cost.add(tokens, 0.040 + 0.001 * tokens)
+    c.record([0, 1, 2, 3], [2] * 4, [1] * 4, [False] * 4, 4, 3, 0.012, 12, 0.052, limit=[4] * 4)
+    c.record([0, 1, 2, 3], [0] * 4, [0] * 4, [True] * 4, 4, 0, 0.0, 4, 0.044, limit=[0] * 4)
+    c.overhead.clear()
+    seen = []
+    original = c.token_values
+    c.token_values = lambda rows, overhead, *args: seen.append(overhead) or original(rows, overhead, *args)
+    c.best_caps([c.rows[r] for r in range(4)], np.full(4, 4))
+    assert seen == [pytest.approx(0.006)]
+    assert original(4, 0.006)[0] == pytest.approx((0.044 + 0.006) / 4)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -181,10 +228,8 @@ def neighbour_rule(monkeypatch):
     """Mutant: a row's proposal length follows the next row's confidences."""
     original = engine.draft_round
 
-    def draft_round(step_forward, settings, clamp, requests, content, device):
-        def shifted(step, ids):
-            return step_forward(step, ids)
-        proposals = original(shifted, settings, clamp, requests, content, device)
+    def draft_round(*args, **kwargs):
+        proposals = original(*args, **kwargs)
         proposals.proposed = np.roll(proposals.proposed, 1) if len(proposals.proposed) > 1 else proposals.proposed
         proposals.proposed = np.minimum(proposals.proposed, proposals.steps)
         return proposals

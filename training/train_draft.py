@@ -4,7 +4,11 @@ Input: prompt files (JSONL with `id`, `prompt`) and the target's answers to them
 `specbatch generate --draft none --chat-template` (JSONL with `id`, `token_ids`). Each example is
 the chat-templated prompt followed by the answer; the loss is the cross-entropy of the target's
 greedy token at every answer position (the draft learns to agree with the target's argmax, which is
-what greedy verification accepts). The draft's tied embedding starts as the projection of the
+what greedy verification accepts). With `--teacher` (a file of training/teacher_probs.py: the
+target's top-k probabilities at every answer position) the loss mixes in the cross-entropy against
+the target's distribution, weight `--soft-weight`: soft labels say how sure the target is, which a
+draft needs to know when to stop proposing (fast/proposals.py), and they over-fit less than one
+label per position. The draft's tied embedding starts as the projection of the
 target's embedding on its first principal components; everything else is random.
 
     python training/train_draft.py --prompts training/data/stage1.jsonl training/data/stage2.jsonl \
@@ -110,6 +114,18 @@ def collate(batch, pad_id: int):
     return ids, attention, rows, positions, ids[rows, positions + 1]
 
 
+def soft_labels(batch, teacher: dict, remap):
+    """The teacher's top-k (candidate index [N, K], probability [N, K]) at the answer positions of
+    `batch`, in collate's order; entries outside the candidate tokens are dropped and the rest
+    renormalised (remap None: the whole vocabulary)."""
+    indices = torch.cat([teacher[ident][0] for ident, _, _ in batch]).long()
+    probs = torch.cat([teacher[ident][1] for ident, _, _ in batch]).float()
+    if remap is not None:
+        indices = remap[indices]
+        probs = torch.where(indices >= 0, probs, torch.zeros_like(probs))
+    return indices.clamp(min=0), probs / probs.sum(dim=-1, keepdim=True).clamp(min=1e-9)
+
+
 def answer_logits(draft, ids, attention, rows, positions, candidates=None):
     """The draft's logits at the answer positions, over the whole vocabulary or only `candidates`."""
     hidden = draft.model(input_ids=ids, attention_mask=attention).last_hidden_state[rows, positions]
@@ -150,6 +166,10 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--validation-share", type=float, default=0.04)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--teacher", default=None,
+                        help="training/teacher_probs.py output: also learn the target's distribution (soft labels)")
+    parser.add_argument("--soft-weight", type=float, default=0.7,
+                        help="with --teacher: loss = w * soft cross-entropy + (1 - w) * hard cross-entropy")
     parser.add_argument("--full-softmax", action="store_true",
                         help="normalise over the whole vocabulary (default: over the tokens the target's answers use, "
                              "several times cheaper; agreement is still measured with the whole vocabulary)")
@@ -172,6 +192,12 @@ def main(argv=None):
         draft.model.embed_tokens.weight.copy_(pca_embedding(target.get_input_embeddings().weight.float(), args.hidden))
     draft.generation_config.eos_token_id = target.generation_config.eos_token_id
     del target
+    teacher = torch.load(args.teacher) if args.teacher else None
+    if teacher is not None:
+        missing = [ident for ident, _, _ in train if ident not in teacher]
+        if missing:
+            parser.error(f"--teacher {args.teacher} has no distribution for {len(missing)} training examples "
+                         f"(e.g. {missing[0]!r}); recompute it with training/teacher_probs.py")
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
 
     candidates = remap = None
@@ -207,6 +233,10 @@ def main(argv=None):
                 group["lr"] = learning_rate(step, time.time() - start)
             logits = answer_logits(draft, ids, attention, rows, positions, candidates)
             loss = torch.nn.functional.cross_entropy(logits, labels if remap is None else remap[labels])
+            if teacher is not None:
+                indices, probs = soft_labels(batch, teacher, remap)
+                soft = -(probs * logits.log_softmax(dim=-1).gather(1, indices)).sum(dim=-1).mean()
+                loss = args.soft_weight * soft + (1 - args.soft_weight) * loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -241,7 +271,8 @@ def main(argv=None):
         output_tokens_trained=None if candidates is None else len(candidates), hidden=args.hidden,
         layers=args.layers, intermediate=args.intermediate, heads=args.heads,
         parameters=sum(p.numel() for p in draft.parameters()), wall_minutes=round((time.time() - start) / 60, 1),
-        kept_step=best[1] if best[2] is not None else step, validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
+        kept_step=best[1] if best[2] is not None else step,
+        teacher=args.teacher, soft_weight=args.soft_weight if args.teacher else None, validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
     )
     (out / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")
     if candidates is not None:  # the reduced head of fast/reduced_head.py: the tokens trained as outputs

@@ -112,7 +112,7 @@ class RectBatch:
                                                       content_len=self.content_len),
                           rect_queries(pos, mask, p) if s.check or s.trace else None, proposals, choice, accepted, n,
                           remaining, finished)
-            self._update(extended, ~finished, n, accepted, proposals.steps)
+            self._update(extended, ~finished, n, accepted, proposals.model_steps)
         self.stats.add_round(p, accepted, n)
         if s.check:
             found += self._check_caches(round_index)

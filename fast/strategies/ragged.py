@@ -17,6 +17,8 @@ from ...reference.pool import SlotQueue
 from ..attention import flat_plan, uses_engine_attention
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, draft_round, observe_round, raise_violations,
                       rect_queries, record_round)
+from ..lookup_draft import LookupFirstDraft, latest_match
+from ..models import vocab_size
 from ..prefill import prefill_into
 from ..slot_cache import SlotCache
 from ..verify import commit_counts, draft_pending_after
@@ -71,6 +73,30 @@ class RaggedEngine:
         self.queue = SlotQueue(slots)
         self.flat_ok = uses_engine_attention(target.model)  # flat verify needs fast.attention in every layer
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
+        lookup_first = draft is not None and isinstance(draft.model, LookupFirstDraft) and settings.threshold > 0
+        self.lookup = draft.model if lookup_first else None  # lookup rows (engine.draft_round) need a threshold
+
+    def lookup_drafter(self, rows_dev, content: np.ndarray):
+        """lookup_step of engine.draft_round for this round's rows: the lookup-first draft's prompt
+        lookup over each row's tokens (content 0..c_i - 1, then the round's proposals), run on the
+        token buffer itself (no cache: a round of lookup rows alone leaves the draft's cache as it is)."""
+        s, rows = self.settings, len(content)
+        width = int(content.max()) + s.k
+        work = self.tokens[rows_dev, :width].clone()
+        length = torch.as_tensor(content, device=s.device)
+        column = torch.arange(width, device=s.device)[None, :]
+        row_index = torch.arange(rows, device=s.device)
+        vocab = vocab_size(self.lookup)
+
+        def step(step, ids):
+            if ids is not None:  # the previous step's tokens follow each row's content
+                work[row_index, length + step - 1] = ids[:, 0]
+            history = torch.where(column < (length + step)[:, None], work, torch.full_like(work, -1))
+            proposal, matched = latest_match(history, length + step - 1, self.lookup.max_ngram, self.lookup.min_match)
+            logits = torch.zeros(rows, vocab, dtype=s.dtype, device=s.device)
+            one_hot = torch.full_like(logits, -1e4).scatter_(1, proposal[:, None], 0.0)
+            return torch.where((matched > 0)[:, None], one_hot, logits), matched
+        return step
 
     def forward(self, name, query_index: np.ndarray, ids, found, last_only=False):
         """One forward of `name` over the running slot rows 0..R-1 with per-row query indices."""
@@ -151,8 +177,11 @@ class RaggedEngine:
             return logits[:, -1]
 
         with self.clock("time_draft"):
-            proposals = draft_round(step_forward, s, clamp, requests, content_t, s.device)
+            proposals = draft_round(step_forward, s, clamp, requests, content_t, s.device,
+                                    self.lookup_drafter(rows_dev, content) if self.lookup is not None else None,
+                                    remaining, waiting=bool(self.queue.queue) or self.arrivals.pending())
         p = proposals.proposed
+        self.stats.lookup_rounds += bool(proposals.steps and not proposals.model_steps)
         width = proposals.width
         drafted = proposals.drafted[:, :width - 1]
         q = None if proposals.q is None else proposals.q[:, :width - 1]
@@ -183,7 +212,8 @@ class RaggedEngine:
                 remaining, finished)
             self.content_len[rows] = content + n
             if self.draft is not None:
-                self.draft_pending[rows] = draft_pending_after(n, accepted, proposals.steps, self.draft_pending[rows])
+                self.draft_pending[rows] = draft_pending_after(n, accepted, proposals.model_steps,
+                                                             self.draft_pending[rows])
             self._release(rows[finished], hit_eos[finished], on_done)
         self.stats.add_round(p, accepted, n)
         if s.check:
