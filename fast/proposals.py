@@ -17,9 +17,12 @@ whose extra columns the shorter rows never accept: their limit is their own p_i)
 the measured seconds of draft steps and verify forwards to the batch size and the number of
 verified tokens, estimates each row's chance to be accepted from the row's own recent history,
 gives each row the cap whose proposals are expected to pay for their verify tokens, and runs only
-the draft steps whose measured yield pays for them; a round where every cap is 0 is a plain target
-step. The cap depends on the batch and the machine: greedy and coupled outputs cannot change (any proposal is verified), but rejection-sampled outputs with a fixed seed would,
-so adaptive defaults to off there (their distribution is exact either way).
+the draft steps whose measured yield pays for them (from TRIM_FROM_ROWS rows up); a round where
+every cap is 0 is a plain target step. Lookup rows (engine.draft_round) draft without model steps,
+so their cap is the one their verify tokens pay for. What an accepted token is worth depends on
+whether requests wait for a row (token_values). The cap depends on the batch and the machine:
+greedy and coupled outputs cannot change (any proposal is verified), but rejection-sampled outputs
+with a fixed seed would, so adaptive defaults to off there (their distribution is exact either way).
 """
 from __future__ import annotations
 
@@ -185,7 +188,6 @@ class DraftController:
         self.depths = DepthHistory(k)
         self.steps = StepYield(k)
         self.overhead: deque = deque(maxlen=64)  # seconds of a round outside draft and verify
-        self.drafting: deque = deque(maxlen=64)  # seconds of drafting per round (0 where none ran)
         self.last_record = None
         self.rounds = 0
         self.caps: list = []  # the round's largest cap, per round (statistics)
@@ -217,9 +219,7 @@ class DraftController:
         """(caps, lookup_caps): lookup_caps are the caps whose proposals pay for their verify tokens;
         caps are those cut to the draft steps that pay for themselves."""
         rows = len(histories)
-        # a round saved saves its verify, its other work and its drafting
-        overhead = (float(np.median(self.overhead)) if self.overhead else 0.0) + \
-            (float(np.mean(self.drafting)) if self.drafting else 0.0)
+        overhead = float(np.median(self.overhead)) if self.overhead else 0.0
         token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)  # one more verified token
         draft_step = self.draft_cost(rows)
         value = self.token_values(rows, overhead, remaining, waiting)
@@ -260,7 +260,6 @@ class DraftController:
             use = slice(None) if model_rows is None else np.asarray(model_rows, dtype=bool)
             self.steps.add(draft_steps, np.asarray(limit)[use], np.asarray(proposed)[use], np.asarray(accepted)[use])
         self.verify_cost.add(verify_tokens, verify_seconds)
-        self.drafting.append(draft_seconds)
         now = time.perf_counter()
         if self.last_record is not None:  # commit, bookkeeping, refills: paid once per round, saved by fewer rounds
             self.overhead.append(max(now - self.last_record - draft_seconds - verify_seconds, 0.0))

@@ -90,7 +90,6 @@ def test_with_nobody_waiting_only_the_rows_that_finish_last_draft():
     for _ in range(20):
         c.record([0, 1, 2, 3], [2] * 4, [1] * 4, [False] * 4, 4, 3, 0.006, 12, 0.076, limit=[4] * 4)
     c.overhead.clear()
-    c.drafting.clear()
     remaining = np.array([100, 97, 40, 10])
     values = c.token_values(4, 0.0, remaining, waiting=False)
     assert values[2] == values[3] == 0 and values[0] == values[1] == pytest.approx((0.040 + 0.003 * 2) / 2)
@@ -124,7 +123,6 @@ def test_draft_steps_run_as_far_as_their_measured_yield_pays():
                 c.record([0, 1, 2], [proposed] * 3, [accepted] * 3, [proposed == 4] * 3, 3, steps, steps * draft_step,
                          3 * (1 + proposed), plain + 3 * proposed * token, limit=[4] * 3)
         c.overhead.clear()
-        c.drafting.clear()
         return c
 
     # a confident streak (a lookup match: 4 proposed, 4 accepted) or a stop at the first step: the deep
@@ -143,24 +141,6 @@ def test_draft_steps_run_as_far_as_their_measured_yield_pays():
     # below TRIM_FROM_ROWS rows the threshold alone decides how far a row drafts
     assert list(weak.best_caps([weak.rows[0]] * 2, np.full(2, 4))[0]) == list(weak.best_caps(
         [weak.rows[0]] * 2, np.full(2, 4))[1])
-
-
-def test_a_saved_round_saves_its_drafting_too():
-    """What an accepted token saves includes the drafting of the round it saves (mean draft seconds
-    per round, rounds without drafting counted as 0), besides its verify and other work."""
-    c = DraftController(k=4, adaptive=True)
-    c.draft_cost.add(4, 0.004)
-    for tokens in (4, 8):
-        c.verify_cost.add(tokens, 0.040 + 0.001 * tokens)
-    c.record([0, 1, 2, 3], [2] * 4, [1] * 4, [False] * 4, 4, 3, 0.012, 12, 0.052, limit=[4] * 4)
-    c.record([0, 1, 2, 3], [0] * 4, [0] * 4, [True] * 4, 4, 0, 0.0, 4, 0.044, limit=[0] * 4)
-    c.overhead.clear()
-    seen = []
-    original = c.token_values
-    c.token_values = lambda rows, overhead, *args: seen.append(overhead) or original(rows, overhead, *args)
-    c.best_caps([c.rows[r] for r in range(4)], np.full(4, 4))
-    assert seen == [pytest.approx(0.006)]
-    assert original(4, 0.006)[0] == pytest.approx((0.044 + 0.006) / 4)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

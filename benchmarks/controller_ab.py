@@ -1,0 +1,92 @@
+"""The parts of speculation that pays, switched off one at a time, side by side in one process.
+
+Variants (ragged, the default draft and options unless named):
+  ar            target-only decoding (the baseline, same engine)
+  default       everything on
+  no-controller the threshold alone decides how far a row drafts (generate(..., adaptive=False))
+  no-lookup-rows  rows whose lookup matches still run the draft model (the behaviour before lookup rows)
+  all-valued    every row's accepted token valued at a plain round's share even with nobody waiting
+Variants alternate inside each repeat, so machine drift touches them alike; each line is one run.
+
+    python benchmarks/controller_ab.py --target smollm2 --prompts question.jsonl --per-category 1 \
+        --chat-template --batch-size 13 --repeats 2 [--variants ar,default,no-controller]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+
+VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued")
+
+
+@contextmanager
+def variant(name: str):
+    """Patch the engine for one variant (the patches are undone afterwards)."""
+    from specbatch.fast.proposals import DraftController
+    from specbatch.fast.strategies.ragged import RaggedEngine
+    init, values = RaggedEngine.__init__, DraftController.token_values
+
+    def no_lookup_rows(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.lookup = None
+
+    def all_valued(self, rows, overhead, remaining=None, waiting=True):
+        return values(self, rows, overhead, remaining, True)
+    if name == "no-lookup-rows":
+        RaggedEngine.__init__ = no_lookup_rows
+    if name == "all-valued":
+        DraftController.token_values = all_valued
+    try:
+        yield
+    finally:
+        RaggedEngine.__init__, DraftController.token_values = init, values
+
+
+def main() -> None:
+    from specbatch import generate
+    from specbatch.bench import select_prompts
+    from specbatch.fast.loading import load_draft, load_model
+    from specbatch.prepare import encode_prompts
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", default="smollm2-draft+lookup")
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--per-category", type=int, default=0)
+    p.add_argument("--chat-template", action="store_true")
+    p.add_argument("--batch-size", type=int, default=13)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--variants", default="ar,default,no-controller,no-lookup-rows,all-valued")
+    args = p.parse_args()
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant {unknown[0]!r}; expected some of {', '.join(VARIANTS)}")
+    target, tokenizer = load_model(args.target, "float32")
+    draft, _ = load_draft(args.draft, target, "float32")
+    ids = encode_prompts([text for _, text in select_prompts(args.prompts, args.per_category)], tokenizer,
+                         args.chat_template)
+    reference = None
+    print("| repeat | variant | batch | tokens/s | exact | rounds | lookup rounds | τ | draft s | verify s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for repeat in range(args.repeats):
+        for name in names:
+            options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+            if name == "no-controller":
+                options["adaptive"] = False
+            with variant(name):
+                start = time.perf_counter()
+                result = generate(target, None if name == "ar" else draft, ids, **options)
+                seconds = time.perf_counter() - start
+            reference = reference or result.sequences
+            s = result.stats
+            exact = sum(a == b for a, b in zip(result.sequences, reference))
+            print(f"| {repeat + 1} | {name} | {args.batch_size} | {sum(map(len, result.sequences)) / seconds:.1f} | "
+                  f"{exact}/{len(ids)} | {s['rounds']} | {s['lookup_rounds']} | {s['mean_accepted_length']:.2f} | "
+                  f"{s['time_draft']:.2f} | {s['time_verify']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
