@@ -229,7 +229,8 @@ class DraftController:
         pays = accept * value[:, None] >= token_seconds  # the d-th proposal is worth its verify token
         lookup_caps = np.minimum(np.asarray(clamp, dtype=np.int64), pays.cumprod(axis=1).sum(axis=1))
         caps, steps = lookup_caps, int(lookup_caps.max(initial=0))
-        while rows >= self.TRIM_FROM_ROWS and steps > 0 and not self.steps.worth(steps - 1, value[caps >= steps], token_seconds, draft_step):
+        trim = rows >= self.TRIM_FROM_ROWS
+        while trim and steps > 0 and not self.steps.worth(steps - 1, value[caps >= steps], token_seconds, draft_step):
             steps -= 1  # the last step does not pay for itself
             caps = np.minimum(caps, steps)
         return caps, lookup_caps

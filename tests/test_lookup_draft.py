@@ -161,8 +161,8 @@ def run_draft_round(matches, model_confident_steps, k=4):
     settings = Settings(k=k, eos_ids=(), window=None, dtype=torch.float32, device=torch.device("cpu"), fill=-1e9,
                         threshold=0.5)
     rows = len(matches)
-    proposals = draft_round(step_forward, settings, np.full(rows, k), torch.arange(rows), torch.zeros(rows, dtype=torch.long),
-                            "cpu", FakeLookup(matches))
+    proposals = draft_round(step_forward, settings, np.full(rows, k), torch.arange(rows),
+                            torch.zeros(rows, dtype=torch.long), "cpu", FakeLookup(matches))
     return proposals, calls
 
 

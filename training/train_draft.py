@@ -272,7 +272,8 @@ def main(argv=None):
         layers=args.layers, intermediate=args.intermediate, heads=args.heads,
         parameters=sum(p.numel() for p in draft.parameters()), wall_minutes=round((time.time() - start) / 60, 1),
         kept_step=best[1] if best[2] is not None else step,
-        teacher=args.teacher, soft_weight=args.soft_weight if args.teacher else None, validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
+        teacher=args.teacher, soft_weight=args.soft_weight if args.teacher else None,
+        validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
     )
     (out / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")
     if candidates is not None:  # the reduced head of fast/reduced_head.py: the tokens trained as outputs
