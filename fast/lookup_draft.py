@@ -61,6 +61,15 @@ def latest_match(token, last, max_ngram: int, min_ngram: int = 1):
     return proposal.clamp(min=0), matched  # a pad query (nothing visible) proposes token 0
 
 
+def one_hot_where_matched(logits, proposal, matched):
+    """logits [B, V] with every row whose lookup matched (matched > 0) made one-hot on its proposal
+    (0 there, -1e4 elsewhere), in place; the other rows keep their logits."""
+    hit = (matched > 0)[:, None]
+    kept = logits.gather(1, proposal[:, None])
+    logits.masked_fill_(hit, -1e4)
+    return logits.scatter_(1, proposal[:, None], torch.where(hit, torch.zeros_like(kept), kept))
+
+
 def confidence_height(confidence: float, vocab: int) -> float:
     """The logit h (others 0) at which one token has softmax probability `confidence`."""
     return math.log(confidence * (vocab - 1) / (1 - confidence))
@@ -125,6 +134,5 @@ class LookupFirstDraft(torch.nn.Module):
                                    self.max_ngram, min_ngram=self.min_match)
         from_lookup = matched > 0
         self._lookup_count = self._lookup_count.to(from_lookup.device) + from_lookup.sum()
-        one_hot = torch.full_like(logits[:, -1], -1e4).scatter_(1, proposal[:, None], 0.0)
-        logits[:, -1] = torch.where(from_lookup[:, None], one_hot, logits[:, -1])
+        one_hot_where_matched(logits[:, -1], proposal, matched)
         return SimpleNamespace(logits=logits)

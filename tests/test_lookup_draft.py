@@ -184,3 +184,15 @@ def test_draft_round_of_lookup_rows_alone_runs_no_model():
     assert calls == [] and proposals.model_steps == 0
     assert proposals.proposed.tolist() == [2, 4]  # each stops where its own chain breaks
     assert proposals.drafted[1].tolist() == [21] * 4
+
+
+def test_one_hot_where_matched_leaves_unmatched_rows_alone():
+    """Matched rows become one-hot on their proposal; a row without a match keeps its logits, so
+    its confidence stays the model's (or uniform for lookup rows, which then stop proposing)."""
+    from specbatch.fast.lookup_draft import one_hot_where_matched
+    logits = torch.randn(3, 10)
+    before = logits.clone()
+    out = one_hot_where_matched(logits, torch.tensor([4, 7, 2]), torch.tensor([2, 0, 3]))
+    torch.testing.assert_close(out[1], before[1])
+    for row, token in ((0, 4), (2, 2)):
+        assert out[row].argmax().item() == token and out[row, token] == 0 and out[row].min() == -1e4

@@ -25,31 +25,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_draft import collate, load_examples, make_batches  # noqa: E402  the same examples and batching
+from train_draft import answer_logits, collate, data_arguments, load_examples, make_batches  # noqa: E402
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="smollm2")
-    parser.add_argument("--prompts", nargs="+", required=True)
-    parser.add_argument("--answers", nargs="+", required=True)
-    parser.add_argument("--out", required=True)
+    data_arguments(parser)  # the same examples and batching as train_draft.py
     parser.add_argument("--top-k", type=int, default=16)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--tokens-per-batch", type=int, default=4096)
     args = parser.parse_args(argv)
 
     from specbatch.fast.loading import load_model
     target, tokenizer = load_model(args.target)
     examples = load_examples(args.prompts, args.answers, tokenizer, args.max_len)
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
-    head = target.get_output_embeddings().weight
     out, done, start = {}, 0, time.time()
     with torch.inference_mode():
         for batch in make_batches(examples, args.tokens_per_batch, random.Random(0)):
             ids, attention, rows, positions, labels = collate(batch, pad_id)
-            hidden = target.model(input_ids=ids, attention_mask=attention).last_hidden_state[rows, positions]
-            probs = torch.softmax(hidden @ head.T, dim=-1)
+            probs = torch.softmax(answer_logits(target, ids, attention, rows, positions), dim=-1)
             top = probs.topk(args.top_k, dim=-1)
             agree = (top.indices[:, 0] == labels).float().mean().item()
             offset = 0

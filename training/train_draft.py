@@ -147,18 +147,23 @@ def agreement(draft, batches, pad_id: int) -> float:
     return hits / max(total, 1)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def data_arguments(parser) -> None:
+    """The target, the distillation data and how it is cut and batched (shared with teacher_probs.py)."""
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--prompts", nargs="+", required=True)
     parser.add_argument("--answers", nargs="+", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--tokens-per-batch", type=int, default=4096)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data_arguments(parser)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="time budget: the learning rate anneals over it and the run ends with it (or after "

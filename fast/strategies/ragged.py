@@ -17,7 +17,7 @@ from ...reference.pool import SlotQueue
 from ..attention import flat_plan, uses_engine_attention
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, draft_round, observe_round, raise_violations,
                       rect_queries, record_round)
-from ..lookup_draft import LookupFirstDraft, latest_match
+from ..lookup_draft import LookupFirstDraft, latest_match, one_hot_where_matched
 from ..models import vocab_size
 from ..prefill import prefill_into
 from ..slot_cache import SlotCache
@@ -75,6 +75,7 @@ class RaggedEngine:
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
         lookup_first = draft is not None and isinstance(draft.model, LookupFirstDraft) and settings.threshold > 0
         self.lookup = draft.model if lookup_first else None  # lookup rows (engine.draft_round) need a threshold
+        self.vocab = vocab_size(draft.model) if lookup_first else None
 
     def lookup_drafter(self, rows_dev, content: np.ndarray):
         """lookup_step of engine.draft_round for this round's rows: the lookup-first draft's prompt
@@ -86,16 +87,14 @@ class RaggedEngine:
         length = torch.as_tensor(content, device=s.device)
         column = torch.arange(width, device=s.device)[None, :]
         row_index = torch.arange(rows, device=s.device)
-        vocab = vocab_size(self.lookup)
 
         def step(step, ids):
             if ids is not None:  # the previous step's tokens follow each row's content
                 work[row_index, length + step - 1] = ids[:, 0]
             history = torch.where(column < (length + step)[:, None], work, torch.full_like(work, -1))
             proposal, matched = latest_match(history, length + step - 1, self.lookup.max_ngram, self.lookup.min_match)
-            logits = torch.zeros(rows, vocab, dtype=s.dtype, device=s.device)
-            one_hot = torch.full_like(logits, -1e4).scatter_(1, proposal[:, None], 0.0)
-            return torch.where((matched > 0)[:, None], one_hot, logits), matched
+            uniform = torch.zeros(rows, self.vocab, dtype=s.dtype, device=s.device)
+            return one_hot_where_matched(uniform, proposal, matched), matched
         return step
 
     def forward(self, name, query_index: np.ndarray, ids, found, last_only=False):
