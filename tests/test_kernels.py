@@ -33,6 +33,23 @@ def test_prepacked_linear_equals_the_plain_product(dtype, bias):
     assert "forward" not in vars(layer)  # the module's own forward is back
 
 
+@pytest.mark.parametrize("shape", [(2, 48), (1, 2, 48), (2, 1, 48)])
+def test_two_rows_are_padded_and_come_back_as_their_own_rows(shape):
+    """Two rows go to oneDNN padded to three (PADDED_ROWS); each comes back as its own product, in
+    the input's shape, exactly as it is computed within three rows."""
+    assert kernels.PADDED_ROWS.get(2) == 3
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    x = torch.randn(*shape)
+    with torch.inference_mode(), kernels.prepacked_linears(layer):
+        got = layer(x)
+        three = layer(torch.cat([x.reshape(2, 48), torch.randn(1, 48)]))
+    assert got.shape == shape[:-1] + (80,)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.reshape(2, 80), three[:2])  # the same kernel as three rows: the padding is real
+    assert not torch.equal(got.reshape(2, 80)[0], got.reshape(2, 80)[1])
+
+
 def test_a_changed_weight_is_repacked_and_float64_is_left_alone():
     torch.manual_seed(1)
     layer = torch.nn.Linear(16, 16, bias=False)
