@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .lean_llama import LeanLlama, supported
 from .models import cache_argument
 
 
@@ -33,6 +34,7 @@ class ReducedHeadDraft(torch.nn.Module):
             self.head.weight.copy_(head.weight[ids])
             if head.bias is not None:
                 self.head.bias.copy_(head.bias[ids])
+        self.lean = LeanLlama(model) if supported(model) else None  # fewer, fused operations per step
         self.vocab_size = head.weight.shape[0]
         self.config = model.config
         self.generation_config = model.generation_config
@@ -46,9 +48,12 @@ class ReducedHeadDraft(torch.nn.Module):
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
                 logits_to_keep=0, **kwargs):
-        out = self.model.base_model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                    use_cache=True, **{self.cache_kw: cache})
-        hidden = out.last_hidden_state
+        if self.lean is not None:
+            hidden = self.lean(input_ids, position_ids, attention_mask, cache)
+        else:
+            hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
+                                           attention_mask=attention_mask, use_cache=True,
+                                           **{self.cache_kw: cache}).last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -int(logits_to_keep):]
         small = self.head(hidden)
