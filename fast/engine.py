@@ -171,9 +171,9 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     (each row's tokens left) and waiting (whether requests wait for a row) tell the controller what
     a token saves (DraftController.token_values).
 
-    lookup_step(step, ids) -> (logits [R, V], matched [R]), for a lookup-first draft
+    lookup_step(step, ids) -> fast.lookup_draft.LookupStep, for a lookup-first draft
     (fast.lookup_draft.LookupFirstDraft): its prompt lookup over each row's content and proposals so
-    far, one-hot where an n-gram of at least its min_match tokens matched, uniform elsewhere. A row
+    far (a proposal where an n-gram of at least its min_match tokens matched). A row
     whose lookup matches at step 0 is a lookup row: it drafts this round by lookup alone and stops
     where the chain of matches breaks (a function of its own content, like any draft). The model then
     runs only while some other row still drafts; a round of lookup rows alone runs no model at all,
@@ -188,7 +188,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     for step in range(int(np.minimum(clamp, np.maximum(caps, lookup_caps)).max()) if rows else 0):
         found = lookup_step(step, ids) if lookup_step is not None else None
         if found is not None and step == 0:  # one small host copy: which rows draft by lookup
-            lookup_rows = (found[1] > 0).cpu().numpy()
+            lookup_rows = (found.matched > 0).cpu().numpy()
             caps = np.where(lookup_rows, lookup_caps, caps)
             limit = np.minimum(clamp, caps)
             active = limit > 0
@@ -199,12 +199,12 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             model_steps = step + 1
             if lookup_rows.any():
                 logits = torch.where(torch.as_tensor(lookup_rows, device=logits.device)[:, None],
-                                     found[0].to(logits.dtype), logits)
-        elif found is not None:
-            logits = found[0]
+                                     found.logits().to(logits.dtype), logits)
+            token, dist, confidence = settings.chooser.draft(logits, requests, content + step)
+        elif found is not None:  # lookup rows alone: no model, and greedy builds no [R, V] logits
+            token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
         else:
             break  # no row may draft this round
-        token, dist, confidence = settings.chooser.draft(logits, requests, content + step)
         ids = token[:, None]
         steps.append(ids)
         dists.append(dist)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -68,6 +69,23 @@ def one_hot_where_matched(logits, proposal, matched):
     kept = logits.gather(1, proposal[:, None])
     logits.masked_fill_(hit, -1e4)
     return logits.scatter_(1, proposal[:, None], torch.where(hit, torch.zeros_like(kept), kept))
+
+
+@dataclass
+class LookupStep:
+    """One step of a prompt lookup over a batch: each row's proposal [R] and its matched n-gram
+    length [R] (0: no match). As draft logits (`logits()`) a matched row is one-hot on its proposal
+    and an unmatched row uniform; fast.sampling's choosers read greedy proposals straight from the
+    two tensors (Chooser.draft_lookup), so a step of lookup rows alone builds no [R, V] logits."""
+
+    proposal: torch.Tensor
+    matched: torch.Tensor
+    vocab: int
+    dtype: torch.dtype = torch.float32
+
+    def logits(self) -> torch.Tensor:
+        uniform = torch.zeros(len(self.proposal), self.vocab, dtype=self.dtype, device=self.proposal.device)
+        return one_hot_where_matched(uniform, self.proposal, self.matched)
 
 
 def confidence_height(confidence: float, vocab: int) -> float:

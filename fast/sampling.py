@@ -94,10 +94,24 @@ class Chooser:
     def verify_flat(self, logits, layout, drafted, q, limit, requests, first_position):
         return self.verify(logits[layout], drafted, q, limit, requests, first_position)
 
+    def draft_lookup(self, step, requests, positions):
+        """draft() of a prompt lookup's step (fast.lookup_draft.LookupStep): its logits, one-hot where
+        a row matched and uniform elsewhere, drafted like any other."""
+        return self.draft(step.logits(), requests, positions)
+
 
 class Greedy(Chooser):
     def draft(self, logits, requests, positions):
         return logits.argmax(dim=-1), None, mode_probability(logits)
+
+    def draft_lookup(self, step, requests, positions):
+        """What draft(step.logits()) returns, without the [R, V] logits: a matched row's one-hot
+        logits give its proposal with probability 1, an unmatched row's uniform ones token 0 (the
+        first maximum) with probability 1 / V."""
+        hit = step.matched > 0
+        token = torch.where(hit, step.proposal, torch.zeros_like(step.proposal))
+        uniform = torch.ones((), dtype=torch.float32, device=hit.device) / step.vocab
+        return token, None, torch.where(hit, torch.ones_like(uniform), uniform)
 
     def verify(self, logits, drafted, q, limit, requests, first_position):
         choice = logits.argmax(dim=-1)

@@ -139,10 +139,10 @@ class FakeLookup:
         self.matches, self.vocab = matches, vocab
 
     def __call__(self, step, ids):
+        from specbatch.fast.lookup_draft import LookupStep
         rows = len(self.matches)
         matched = torch.tensor([2 * (step in m) for m in self.matches])
-        one_hot = torch.full((rows, self.vocab), -1e4).scatter_(1, 20 + torch.arange(rows)[:, None], 0.0)
-        return torch.where((matched > 0)[:, None], one_hot, torch.zeros(rows, self.vocab)), matched
+        return LookupStep(20 + torch.arange(rows), matched, self.vocab)
 
 
 def run_draft_round(matches, model_confident_steps, k=4):
@@ -196,3 +196,20 @@ def test_one_hot_where_matched_leaves_unmatched_rows_alone():
     torch.testing.assert_close(out[1], before[1])
     for row, token in ((0, 4), (2, 2)):
         assert out[row].argmax().item() == token and out[row, token] == 0 and out[row].min() == -1e4
+
+
+@pytest.mark.parametrize("vocab", [40, 49152])
+def test_greedy_drafts_a_lookup_step_as_it_drafts_its_logits(vocab):
+    """Greedy.draft_lookup (no [R, V] logits) returns exactly what Greedy.draft returns for the
+    step's one-hot / uniform logits: the proposal with probability 1 where a row matched, token 0
+    with probability 1 / V where it did not (such a row then stops proposing)."""
+    from specbatch.fast.lookup_draft import LookupStep
+    from specbatch.fast.sampling import Greedy
+    g = torch.Generator().manual_seed(vocab)
+    step = LookupStep(torch.randint(1, vocab, (9,), generator=g), torch.tensor([0, 2, 3, 0, 1, 2, 0, 3, 2]), vocab)
+    requests, positions = torch.arange(9), torch.full((9,), 5)
+    token, dist, confidence = Greedy().draft_lookup(step, requests, positions)
+    want_token, want_dist, want_confidence = Greedy().draft(step.logits(), requests, positions)
+    assert dist is None and want_dist is None
+    assert torch.equal(token, want_token) and torch.equal(confidence, want_confidence)
+    assert token[step.matched == 0].eq(0).all() and confidence[step.matched == 0].lt(0.5).all()

@@ -17,7 +17,7 @@ from ...reference.pool import SlotQueue
 from ..attention import flat_plan, uses_engine_attention
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, draft_round, observe_round, raise_violations,
                       rect_queries, record_round)
-from ..lookup_draft import LookupFirstDraft, latest_match, one_hot_where_matched
+from ..lookup_draft import LookupFirstDraft, LookupStep, latest_match
 from ..models import vocab_size
 from ..prefill import prefill_into
 from ..slot_cache import SlotCache
@@ -93,8 +93,7 @@ class RaggedEngine:
                 work[row_index, length + step - 1] = ids[:, 0]
             history = torch.where(column < (length + step)[:, None], work, torch.full_like(work, -1))
             proposal, matched = latest_match(history, length + step - 1, self.lookup.max_ngram, self.lookup.min_match)
-            uniform = torch.zeros(rows, self.vocab, dtype=s.dtype, device=s.device)
-            return one_hot_where_matched(uniform, proposal, matched), matched
+            return LookupStep(proposal, matched, self.vocab, s.dtype)
         return step
 
     def forward(self, name, query_index: np.ndarray, ids, found, last_only=False):
