@@ -6,7 +6,8 @@ its weights in cache and 3.7 ms after a target forward had streamed through memo
 hundred small tensor operations. This module computes the same function with less of it:
 - the q/k/v projections and the gate/up projections each fused into one product (7 products a
   layer become 4),
-- RMS norms by torch's fused rms_norm, the rotary embedding computed once per forward,
+- RMS norms by torch's fused rms_norm, the rotary angles computed once per forward by the model's
+  own rotary module and applied by transformers' apply_rotary_pos_emb,
 - attention by fast.attention.specbatch_attention, the engine's own: the mask the engine passes
   decides what each query sees (I4) and the engine's row plan applies, exactly as in the model,
 - the cache updated through `Cache.update`, so every layout's cache works (DynamicCache in the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .attention import specbatch_attention
 
@@ -41,11 +43,6 @@ def fused_linear(*layers: torch.nn.Linear) -> torch.nn.Linear:
     with torch.no_grad():
         fused.weight.copy_(weight)
     return fused
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanBlock(torch.nn.Module):
@@ -70,8 +67,7 @@ class LeanBlock(torch.nn.Module):
         split = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
         q, k, v = (t.view(batch, queries, -1, self.head_dim).transpose(1, 2)
                    for t in self.qkv(x).split(split, dim=-1))
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # cos, sin [B, Q, D]: every head alike
         if cache is not None:
             k, v = cache.update(k, v, index)
         out, _ = specbatch_attention(self, q, k, v, mask, scaling=self.scaling)  # [B, Q, H, D]
@@ -84,7 +80,7 @@ class LeanBlock(torch.nn.Module):
 class LeanLlama(torch.nn.Module):
     """The decoder of a Llama causal LM (`supported(model)`): input ids, position ids, a 4D additive
     mask and a cache in, the final hidden states out (the caller applies its head). The embedding,
-    output projections, norms and down projections are the model's own tensors; the fused
+    rotary module, output projections, norms and down projections are the model's own; the fused
     projections are copies made here."""
 
     def __init__(self, model):
@@ -93,16 +89,11 @@ class LeanLlama(torch.nn.Module):
         self.embed = base.embed_tokens
         self.blocks = torch.nn.ModuleList(LeanBlock(layer, config) for layer in base.layers)
         self.norm, self.eps = base.norm.weight, config.rms_norm_eps
-        rotary = base.rotary_emb
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.rotary = base.rotary_emb
 
     def forward(self, input_ids, position_ids, attention_mask, cache):
         hidden = self.embed(input_ids)
-        angles = position_ids[..., None].float() * self.inv_freq  # [B, Q, D/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, Q, D]: every head alike
-        cos = (angles.cos() * self.rope_scale).to(hidden.dtype)
-        sin = (angles.sin() * self.rope_scale).to(hidden.dtype)
+        cos, sin = self.rotary(hidden, position_ids)
         for index, block in enumerate(self.blocks):
             hidden = block(hidden, cos, sin, attention_mask, cache, index)
         return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.eps)
