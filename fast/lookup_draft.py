@@ -137,6 +137,11 @@ class LookupFirstDraft(torch.nn.Module):
         return self.model.device
 
     @property
+    def reads_features(self) -> bool:
+        """Whether the model behind the lookup reads the target's features (fast.feature_draft)."""
+        return bool(getattr(self.model, "reads_features", False))
+
+    @property
     def lookup_proposals(self) -> int:
         """Last-query rows whose proposal came from the lookup so far (a statistic)."""
         return int(self._lookup_count)
@@ -146,11 +151,12 @@ class LookupFirstDraft(torch.nn.Module):
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
                 logits_to_keep=0, **kwargs):
-        logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=True, logits_to_keep=logits_to_keep, **{self.cache_kw: cache}).logits
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         use_cache=True, logits_to_keep=logits_to_keep, **{self.cache_kw: cache}, **kwargs)
+        logits = out.logits
         proposal, matched = lookup(cache, self.model.config.num_hidden_layers, input_ids, attention_mask,
                                    self.max_ngram, min_ngram=self.min_match)
         from_lookup = matched > 0
         self._lookup_count = self._lookup_count.to(from_lookup.device) + from_lookup.sum()
         one_hot_where_matched(logits[:, -1], proposal, matched)
-        return SimpleNamespace(logits=logits)
+        return SimpleNamespace(logits=logits, features=getattr(out, "features", None))

@@ -25,21 +25,29 @@ class ModelRunner:
         self.model = model
         self.cache_kw = cache_argument(model)
         self.tokens_processed = 0
+        self.last_features = None
+        self.reads_features = bool(getattr(model, "reads_features", False))
 
     @property
     def num_layers(self) -> int:
         return int(self.model.config.num_hidden_layers)
 
-    def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False, kv_lens=None, flat=None):
-        """flat: the FlatParts of a flat forward (fast.attention.flat_plan), whose attention they define."""
+    def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False, kv_lens=None, flat=None,
+                 features=None):
+        """flat: the FlatParts of a flat forward (fast.attention.flat_plan), whose attention they define.
+        features: the target's features for a draft that reads them (fast.feature_draft); the draft's
+        own estimates of every query's feature are then kept in `last_features`."""
         from .attention import forward_plan
         self.tokens_processed += input_ids.numel()
         kwargs = {self.cache_kw: cache}
         if last_only:
             kwargs["logits_to_keep"] = 1
+        if features is not None:
+            kwargs["features"] = features
         with torch.inference_mode(), forward_plan(kv_lens, input_ids.device, flat):
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
                              **kwargs)
+        self.last_features = getattr(out, "features", None)
         return out.logits
 
 

@@ -54,11 +54,14 @@ def packed_inputs(contents: list[list[int]], window: int | None, dtype, fill: fl
 
 
 def prefill_into(runner, cache: SlotCache, contents: list[list[int]], slot_rows: list[int], first_index: list[int],
-                 settings, found: list | None = None) -> None:
+                 settings, found: list | None = None, route=None) -> None:
     """Prefill `contents` (one token list per row) into `cache`: content index j of row i goes to slot
     row slot_rows[i], slot first_index[i] + j. Packs of at most PACK_TOKENS tokens, one forward each.
 
-    found: when a list, I2/I4 violations of each pack's positions and mask are added to it."""
+    found: when a list, I2/I4 violations of each pack's positions and mask are added to it.
+    route(rows [1, T], index [1, T]) -> extra keyword arguments of the pack's forward, given each
+    token's slot row and content index (fast.feature_draft: where the target's features go, and
+    the features a feature draft reads)."""
     from ..invariants import check_packed_forward
     s = settings
     for pack in plan_packs([len(c) for c in contents]):
@@ -68,7 +71,8 @@ def prefill_into(runner, cache: SlotCache, contents: list[list[int]], slot_rows:
         cache.prepare_packed(rows[None], (first + pos[0])[None])
         if found is not None:
             found += check_packed_forward(pos, mask, [len(contents[i]) for i in pack], s.window)
-        runner(ids, pos, mask, cache, last_only=True)
+        extra = route(rows[None], pos) if route is not None else {}
+        runner(ids, pos, mask, cache, last_only=True, **extra)
 
 
 def prefill_rectangle(runner, contents: list[list[int]], width: int, settings, found: list | None = None) -> DynamicCache:

@@ -137,6 +137,9 @@ def _generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int, 
     check_int("max_wait", max_wait, 0)
     _positive("max_new_tokens", max_new_tokens, allow_list=True)
     check_pair(target, draft, tokenizer, draft_tokenizer)
+    if draft is not None and getattr(draft, "reads_features", False) and strategy != "ragged":
+        raise ValueError(f"the draft reads the target's features (a feature draft, fast.feature_draft); only "
+                         f"strategy='ragged' keeps them, got strategy={strategy!r}")
     from .fast.models import vocab_size
     vocab = vocab_size(target)
     if eos_token_id is not None:

@@ -15,6 +15,7 @@ import torch
 from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
 from ..attention import flat_plan, uses_engine_attention
+from ..feature_draft import FeatureBuffer, FeatureCapture, draft_pending_after_features
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, draft_round, observe_round, raise_violations,
                       rect_queries, record_round)
 from ..lookup_draft import LookupFirstDraft, LookupStep, latest_match
@@ -76,6 +77,12 @@ class RaggedEngine:
         lookup_first = draft is not None and isinstance(draft.model, LookupFirstDraft) and settings.threshold > 0
         self.lookup = draft.model if lookup_first else None  # lookup rows (engine.draft_round) need a threshold
         self.vocab = vocab_size(draft.model) if lookup_first else None
+        # a feature draft (fast.feature_draft) reads the target's features of each row's content
+        self.reads_features = draft is not None and draft.reads_features
+        if self.reads_features:
+            hidden = int(draft.model.config.hidden_size)
+            self.features = FeatureBuffer(slots, capacity, hidden, settings.dtype, dev)
+            self.capture = FeatureCapture(target.model, self.features)
 
     def lookup_drafter(self, rows_dev, content: np.ndarray):
         """lookup_step of engine.draft_round for this round's rows: the lookup-first draft's prompt
@@ -96,7 +103,7 @@ class RaggedEngine:
             return LookupStep(proposal, matched, self.vocab, s.dtype)
         return step
 
-    def forward(self, name, query_index: np.ndarray, ids, found, last_only=False):
+    def forward(self, name, query_index: np.ndarray, ids, found, last_only=False, features=None):
         """One forward of `name` over the running slot rows 0..R-1 with per-row query indices."""
         s = self.settings
         cache = self.caches[name]
@@ -108,7 +115,8 @@ class RaggedEngine:
             found += check_positions(pos, query_index) + check_mask(mask, query_index, slot, s.window)
         runner = self.target if name == "target" else self.draft
         kv_lens = query_index.max(axis=1) + 1  # each row's visible length: attention reads no further
-        return runner(ids, pos, mask, cache, last_only=last_only, kv_lens=kv_lens), pos, mask
+        extra = {} if features is None else {"features": features}
+        return runner(ids, pos, mask, cache, last_only=last_only, kv_lens=kv_lens, **extra), pos, mask
 
     def admit(self) -> None:
         """Prefill newly placed requests into their slots, in one forward per model."""
@@ -133,9 +141,18 @@ class RaggedEngine:
             for name, runner in (("target", self.target), ("draft", self.draft)):
                 if runner is not None:
                     prefill_into(runner, self.caches[name], [p[:-1] for p in prompts], slots.tolist(),
-                                 [0] * len(prompts), self.settings, found)
+                                 [0] * len(prompts), self.settings, found, self._feature_route(name))
         if found:
             raise_violations(found, 0)
+
+    def _feature_route(self, name: str):
+        """prefill_into's route for a feature draft: the target's features of each prompt token go to
+        the buffer, the draft reads them (both at once per pack: the target's prefill comes first)."""
+        if not self.reads_features:
+            return None
+        if name == "target":
+            return self.capture.route
+        return lambda rows, index: {"features": self.features.inputs(rows, index)}
 
     def compact(self) -> None:
         """Keep the running rows in slots 0..R-1 (SlotQueue.compact): a hole left by a finished row
@@ -149,6 +166,8 @@ class RaggedEngine:
             self.request[src] = -1
             for cache in self.caches.values():
                 cache.move_row(src, dst, count)
+            if self.reads_features:
+                self.features.move_row(src, dst, count)
 
     def round(self, round_index: int, on_done) -> None:
         s = self.settings
@@ -166,12 +185,17 @@ class RaggedEngine:
         pending = int(self.draft_pending[rows].max()) if self.draft is not None else 1
 
         def step_forward(step, ids):
+            features = None
             if ids is None:  # re-feed each row's last `pending` tokens (identical K/V where already cached)
                 query_index = content[:, None] - pending + np.arange(pending)[None, :]
                 ids = self.tokens[rows_dev[:, None], dev(np.maximum(query_index, 0))]
+                if self.reads_features:  # the target's f_{j-1} for each re-fed token j
+                    features = self.features.inputs(rows_dev[:, None], dev(np.maximum(query_index, 0)))
             else:
                 query_index = content[:, None] + step - 1
-            logits, _, _ = self.forward("draft", query_index, ids, found, last_only=True)
+                if self.reads_features:  # past the content: the draft's own estimate from the step before
+                    features = self.draft.last_features[:, -1:]
+            logits, _, _ = self.forward("draft", query_index, ids, found, last_only=True, features=features)
             return logits[:, -1]
 
         with self.clock("time_draft"):
@@ -192,6 +216,8 @@ class RaggedEngine:
                                                                          content_t, found)
             else:
                 query_index = content[:, None] - 1 + np.arange(width)[None, :]
+                if self.reads_features:  # features of every verified position (rejected ones are never read)
+                    self.capture.route(rows_dev[:, None].expand(-1, width), dev(query_index))
                 logits, pos, mask = self.forward("target", query_index, tokens, found)
                 choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(p), requests, content_t)
                 queries, verified = (rect_queries(pos, mask, p) if s.check or s.trace else None), tokens.numel()
@@ -209,7 +235,10 @@ class RaggedEngine:
                 pad_len=np.zeros(len(rows)), content_len=content), queries, proposals, choice, accepted, n,
                 remaining, finished)
             self.content_len[rows] = content + n
-            if self.draft is not None:
+            if self.reads_features:  # K/V from the draft's own feature estimates are never kept
+                self.draft_pending[rows] = draft_pending_after_features(n, proposals.model_steps,
+                                                                        self.draft_pending[rows])
+            elif self.draft is not None:
                 self.draft_pending[rows] = draft_pending_after(n, accepted, proposals.model_steps,
                                                              self.draft_pending[rows])
             self._release(rows[finished], hit_eos[finished], on_done)
@@ -235,6 +264,8 @@ class RaggedEngine:
         cache.prepare_flat(dev(token_row), dev(token_index), len(count), int(token_index.max()) + 1)
         ids = tokens[dev(token_row), dev(j)][None]
         pos = dev(token_index)[None]
+        if self.reads_features:  # features of every verified position (rejected ones are never read)
+            self.capture.route(dev(token_row)[None], pos)
         hidden = torch.full((1, 1, 1, 1), s.fill, dtype=s.dtype, device=s.device).expand(1, 1, len(j), cache.kv_len)
         logits = self.target(ids, pos, hidden, cache, flat=plan)  # the plan's masks decide what each query sees
         choice, accepted = s.chooser.verify_flat(logits[0], dev(layout), drafted, q, dev(proposed), requests,
@@ -279,20 +310,32 @@ class RaggedEngine:
         for name, runner, pending in (("target", self.target, 1), ("draft", self.draft, self.draft_pending[row])):
             if runner is not None:
                 cache, prefix = self.caches[name], content[:len(content) - int(pending)]
+                features = None
+                if name == "draft" and self.reads_features:  # the fresh prefill reads the recorded features
+                    features = self.features.inputs(torch.full((1, len(prefix)), row, device=self.settings.device),
+                                                    torch.arange(len(prefix), device=self.settings.device)[None])
                 found += check_cache_row(runner, lambda layer: cache.slot_values(layer, row, len(prefix)), row,
-                                         prefix, 0, self.settings, f"{name} cache")
+                                         prefix, 0, self.settings, f"{name} cache", features)
         return found
 
     def run(self, on_done) -> None:
         round_index = 0
-        while self.arrivals.pending() or self.queue.queue or (self.request >= 0).any():
-            for r in self.arrivals.due():
-                self.queue.submit(r)
-            if not self.queue.queue and not (self.request >= 0).any():
-                self.arrivals.wait()
-                continue
-            round_index += 1
-            self.step(round_index, on_done)
+        try:
+            while self.arrivals.pending() or self.queue.queue or (self.request >= 0).any():
+                for r in self.arrivals.due():
+                    self.queue.submit(r)
+                if not self.queue.queue and not (self.request >= 0).any():
+                    self.arrivals.wait()
+                    continue
+                round_index += 1
+                self.step(round_index, on_done)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Remove the feature hook from the target (a feature draft's engine only)."""
+        if self.reads_features:
+            self.capture.close()
 
     def step(self, round_index: int, on_done) -> bool:
         """Admit what arrived into free slots, compact, and run one round if any row is running."""

@@ -1,0 +1,202 @@
+"""A draft that reads the target's own features (EAGLE-style), and what the engine keeps for it.
+
+The distilled draft of fast/distilled/smollm2-draft sees only tokens, and agrees with the target's
+greedy token 53% of the time. The target's final hidden state f_j (the input of its LM head, after
+its last norm) already holds what the target "thinks" at content index j; a draft that reads it needs
+far less capacity to guess the next one. Here, at content index j the draft reads
+
+    x_j = fc([embed(t_j), f_{j-1}])          (f_{-1} = 0; embed: the target's own embedding)
+
+runs one Llama decoder layer at the target's width over x_0..x_j (causal, with a K/V cache like any
+model) and a final RMS norm, and its output is its estimate f^_j of the target's feature; the draft's logits are the
+target's LM head applied to f^_j, restricted to the tokens it was trained to predict
+(fast.reduced_head does the same for the token draft). Drafting one token past the content uses
+f^ in place of f: step s of a round reads (proposal_s, f^ of the step before).
+
+What the engine keeps (fast.strategies.ragged): `FeatureBuffer`, each slot row's f_j for every
+content index the target has processed, written by `FeatureCapture` (a forward hook on the target's
+final norm) during prefills and verifies. The draft's cache holds K/V only for indices whose input
+had a true feature: K/V computed from f^ are never kept, so after each round that runs the draft the
+committed tokens become its pending tokens (draft_pending_after_features).
+
+Exactness is untouched (proofs_notes/equivalence.md): the draft's proposals are a function of the
+row's visible content (the target's features are a function of it too), and every proposal is
+verified by the target.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from .lean_llama import LeanBlock
+
+
+def feature_draft_config(target_config, intermediate: int | None = None) -> LlamaConfig:
+    """One decoder layer at the target's width, heads and rotary settings."""
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+        intermediate_size=intermediate or target_config.intermediate_size, num_hidden_layers=1,
+        num_attention_heads=target_config.num_attention_heads, num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=getattr(target_config, "head_dim", None), max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters=getattr(target_config, "rope_parameters", None), rms_norm_eps=target_config.rms_norm_eps,
+        attn_implementation="sdpa")
+
+
+class FeatureDraftNet(torch.nn.Module):
+    """The trained part: fc and one decoder layer (training/train_feature_draft.py trains it with
+    the target's embedding and head frozen)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # f^ on the features' scale
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, embedded, features, position_ids):
+        """Training forward over whole sequences (causal, no cache): f^ [B, T, H]."""
+        x = self.fc(torch.cat([embedded, features], dim=-1))
+        return self.norm(self.layer(x, position_embeddings=self.rotary(x, position_ids), position_ids=position_ids))
+
+    def save(self, out: Path, output_tokens, log: dict) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({k: v.to(torch.float16) for k, v in self.state_dict().items() if "rotary" not in k},
+                   out / "weights.pt")
+        (out / "config.json").write_text(self.config.to_json_string())
+        (out / "output_tokens.json").write_text(json.dumps(sorted(int(t) for t in output_tokens)) + "\n")
+        (out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, directory) -> tuple["FeatureDraftNet", list]:
+        directory = Path(directory)
+        config = LlamaConfig.from_json_file(directory / "config.json")
+        config._attn_implementation = "sdpa"
+        net = cls(config)
+        state = torch.load(directory / "weights.pt", map_location="cpu")
+        missing, unexpected = net.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        if unexpected or [k for k in missing if "rotary" not in k]:
+            raise ValueError(f"{directory}: feature draft weights do not match its config "
+                             f"(missing {missing}, unexpected {unexpected})")
+        return net, json.loads((directory / "output_tokens.json").read_text())
+
+
+def final_norm(target):
+    """The target's final norm module, whose output is the feature the draft reads."""
+    base = getattr(target, "model", None)
+    norm = getattr(base, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise ValueError(f"a feature draft needs a target with a final norm at .model.norm (Llama-style); "
+                         f"{type(target).__name__} has none")
+    return norm
+
+
+class FeatureDraft(torch.nn.Module):
+    """The engine's draft: `net` on the `target`'s embedding, with the target's LM head restricted to
+    `token_ids`. forward(input_ids, position_ids, attention_mask, cache, features) -> logits [B, Q, V]
+    (or the last query's) and `.features`, f^ [B, Q, H] of every query; features[b, q] must be
+    f_{j-1} for the token at content index j (zero at j = 0)."""
+
+    reads_features = True
+
+    def __init__(self, target, net: FeatureDraftNet, token_ids):
+        super().__init__()
+        if net.config.hidden_size != target.config.hidden_size:
+            raise ValueError(f"feature draft has width {net.config.hidden_size} but the target has "
+                             f"{target.config.hidden_size}; it was trained for another target")
+        final_norm(target)
+        self.config = net.config
+        self.generation_config = target.generation_config
+        dtype, device = target.get_input_embeddings().weight.dtype, target.device
+        net = net.to(dtype=dtype, device=device)
+        self.embed = target.get_input_embeddings()  # shared with the target, not copied
+        self.fc = net.fc
+        self.block = LeanBlock(net.layer, net.config)
+        self.norm, self.eps = net.norm.weight, net.config.rms_norm_eps
+        self.rotary = net.rotary
+        head = target.get_output_embeddings()
+        ids = torch.as_tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long, device=device)
+        self.register_buffer("token_ids", ids, persistent=False)
+        self.head = torch.nn.Linear(head.weight.shape[1], len(ids), bias=False, device=device, dtype=dtype)
+        with torch.no_grad():
+            self.head.weight.copy_(head.weight[ids])
+        self.vocab_size = head.weight.shape[0]
+
+    @property
+    def device(self):
+        return self.head.weight.device
+
+    def get_output_embeddings(self):
+        return SimpleNamespace(weight=torch.empty(self.vocab_size, 0))  # its vocabulary: the target's
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, features=None,
+                logits_to_keep=0, **kwargs):
+        if features is None:
+            raise ValueError("a feature draft needs the target's features for its inputs (the ragged strategy "
+                             "passes them)")
+        x = self.fc(torch.cat([self.embed(input_ids), features.to(self.head.weight.dtype)], dim=-1))
+        cos, sin = self.rotary(x, position_ids)
+        predicted = self.block(x, cos, sin, attention_mask, cache, 0)
+        predicted = F.rms_norm(predicted, (predicted.shape[-1],), self.norm, self.eps)
+        hidden = predicted[:, -int(logits_to_keep):] if logits_to_keep else predicted
+        small = self.head(hidden)
+        logits = small.new_full(small.shape[:-1] + (self.vocab_size,), torch.finfo(small.dtype).min / 2)
+        logits.index_copy_(-1, self.token_ids, small)
+        return SimpleNamespace(logits=logits, features=predicted)
+
+
+class FeatureBuffer:
+    """features[slot row, content index]: the target's feature f_j of each processed token."""
+
+    def __init__(self, slots: int, capacity: int, hidden: int, dtype, device):
+        self.data = torch.zeros(slots, capacity + 1, hidden, dtype=dtype, device=device)
+
+    def write(self, rows: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor) -> None:
+        """rows, index [...] and hidden [..., H]: f at (row, index); negative indices are skipped."""
+        keep = index >= 0
+        self.data[rows[keep], index[keep]] = hidden[keep].to(self.data.dtype)
+
+    def inputs(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The draft's feature input for the tokens at (row, index): f_{index - 1}, zero at index <= 0."""
+        before = self.data[rows, (index - 1).clamp(min=0)]
+        return torch.where((index > 0)[..., None], before, torch.zeros_like(before))
+
+    def move_row(self, src: int, dst: int, count: int) -> None:
+        self.data[dst, :count] = self.data[src, :count]
+
+
+class FeatureCapture:
+    """A forward hook on the target's final norm that writes each forward's features into a
+    FeatureBuffer: `route(rows, index)` before a forward names each token position's slot row and
+    content index (tensors shaped like the forward's input ids); a forward not routed writes nothing."""
+
+    def __init__(self, target, buffer: FeatureBuffer):
+        self.buffer, self.where = buffer, None
+        self.handle = final_norm(target).register_forward_hook(self._hook)
+
+    def route(self, rows: torch.Tensor, index: torch.Tensor) -> dict:
+        self.where = (rows, index)
+        return {}
+
+    def _hook(self, module, args, output):
+        if self.where is not None:
+            rows, index = self.where
+            self.buffer.write(rows, index, output.detach())
+            self.where = None
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def draft_pending_after_features(n: np.ndarray, model_steps: int, pending: np.ndarray) -> np.ndarray:
+    """Committed tokens whose draft K/V are not (validly) cached after a round: a round that ran the
+    draft cached its pending tokens with true features and everything after them with f^, so the n
+    tokens just committed are pending; a round without draft steps adds its n to what was pending."""
+    return n.copy() if model_steps else pending + n

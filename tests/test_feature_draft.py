@@ -1,0 +1,163 @@
+"""fast.feature_draft: the feature draft computes its training function through any cache, the ragged
+engine feeds it the target's true features (buffer, pending tokens, f^ past the content), and
+generation stays exact; strategies that cannot keep features refuse it."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+import specbatch
+from specbatch.fast.engine import Settings, Stats
+from specbatch.fast.feature_draft import (FeatureBuffer, FeatureDraft, FeatureDraftNet, draft_pending_after_features,
+                                          feature_draft_config)
+from specbatch.fast.lookup_draft import LookupFirstDraft
+
+from hf_models import EOS, VOCAB, oracle, tiny
+
+PROMPTS = [[5, 9, 14, 3, 22], [40, 41], [8, 8, 8, 8, 8, 8, 8, 8, 30], [61, 2, 77, 19, 19, 4, 1], [12]]
+
+
+def feature_draft(target, seed=0, tokens=None):
+    """A random-initialised feature draft for `target` (its features are real: the target's own)."""
+    torch.manual_seed(seed)
+    net = FeatureDraftNet(feature_draft_config(target.config))
+    with torch.no_grad():
+        for p in net.parameters():  # larger than the default init: distinct, confident proposals
+            p.add_(torch.randn_like(p) * 0.3)
+    return FeatureDraft(target, net, range(VOCAB) if tokens is None else tokens).eval(), net
+
+
+def causal(queries: int, slots: int) -> torch.Tensor:
+    q = torch.arange(slots - queries, slots)[:, None]
+    return torch.zeros(1, 1, queries, slots, dtype=torch.float64).masked_fill(torch.arange(slots)[None] > q, -1e9)
+
+
+def test_the_engine_forward_equals_the_training_forward_through_a_growing_cache():
+    target = tiny("llama", layers=2, seed=4)
+    draft, net = feature_draft(target, seed=1, tokens=range(0, VOCAB, 3))  # net: float64 like the target
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(2, 9, target.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        want = net(target.get_input_embeddings()(ids), features, torch.arange(9)[None].expand(2, -1))
+        cache, got = DynamicCache(), []
+        for start, end in ((0, 6), (6, 7), (7, 9)):  # a prefill, then steps reading the cache back
+            out = draft(ids[:, start:end], torch.arange(start, end)[None].expand(2, -1), causal(end - start, end),
+                        cache, features=features[:, start:end])
+            got.append(out)
+    # (transformers' norms round to float32 inside; the lean block's do not)
+    torch.testing.assert_close(torch.cat([o.features for o in got], dim=1), want, rtol=1e-5, atol=1e-5)
+    logits = torch.cat([o.logits for o in got], dim=1)
+    head = target.get_output_embeddings().weight
+    trained = torch.arange(0, VOCAB, 3)
+    torch.testing.assert_close(logits[..., trained], want @ head[trained].T, rtol=1e-5, atol=1e-5)
+    others = torch.ones(VOCAB, dtype=torch.bool)
+    others[trained] = False
+    assert (logits[..., others] < -1e30).all()  # outside the trained tokens: never proposed
+
+
+def test_the_buffer_reads_the_feature_before_each_index():
+    buffer = FeatureBuffer(2, 6, 3, torch.float64, "cpu")
+    rows, index = torch.tensor([[1, 1, 1]]), torch.tensor([[0, 1, 2]])
+    buffer.write(rows, index, torch.arange(9, dtype=torch.float64).view(1, 3, 3))
+    buffer.write(torch.tensor([0]), torch.tensor([-1]), torch.ones(1, 3))  # negative index: padding, skipped
+    got = buffer.inputs(torch.tensor([1, 1, 1]), torch.tensor([0, 1, 3]))
+    assert got[0].abs().sum() == 0  # index 0 reads no feature
+    assert got[1].tolist() == [0, 1, 2] and got[2].tolist() == [6, 7, 8]
+    assert buffer.data[0].abs().sum() == 0
+
+
+def test_pending_after_a_round_counts_every_token_whose_draft_kv_came_from_estimates():
+    pending = np.array([1, 3, 2])
+    assert draft_pending_after_features(np.array([1, 4, 2]), 2, pending).tolist() == [1, 4, 2]
+    assert draft_pending_after_features(np.array([1, 4, 2]), 0, pending).tolist() == [2, 7, 4]  # no draft step ran
+
+
+def run_with_trace(tmp_path, target, draft, batch_size, max_new, **options):
+    path = tmp_path / f"trace_{batch_size}.jsonl"
+    out = specbatch.generate(target, draft, PROMPTS, max_new_tokens=max_new, batch_size=batch_size, trace=path,
+                             check_invariants=True, eos_token_id=[EOS], **options)
+    return out, [json.loads(line) for line in open(path)][1:-1]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true_features(tmp_path, batch_size):
+    """Every proposal in the trace equals what the draft computes from scratch: the target's features
+    of the row's content (a fresh forward), the draft over the content with f_{j-1} at index j, then
+    over each earlier proposal with its own estimate. Stale K/V from estimates, a pending token fed
+    the wrong feature or a feature written at the wrong index all change some proposal."""
+    target = tiny("llama", layers=2, seed=5)
+    draft, _ = feature_draft(target, seed=2)
+    max_new = [14, 9, 17, 6, 12]
+    out, rounds = run_with_trace(tmp_path, target, draft, batch_size, max_new, num_draft_tokens=3,
+                                 draft_threshold=0.0)  # adaptive: some rounds run no draft (pending grows)
+    assert out.sequences == oracle(target, PROMPTS, max_new, [EOS])
+    checked = 0
+    with torch.no_grad():
+        for round_ in rounds:
+            for row in round_["rows"]:
+                content = row["tokens"][:row["content_len"]]
+                drafted = row["drafted"]
+                if not drafted:
+                    continue
+                hidden = target.model(input_ids=torch.tensor([content[:-1]])).last_hidden_state
+                features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden], dim=1)
+                ids = list(content)
+                for proposal in drafted:
+                    n = len(ids)
+                    step = draft(torch.tensor([ids]), torch.arange(n)[None], causal(n, n), DynamicCache(),
+                                 features=features)
+                    assert int(step.logits[0, -1].argmax()) == proposal
+                    features = torch.cat([features, step.features[:, -1:]], dim=1)
+                    ids.append(proposal)
+                    checked += 1
+    assert checked >= 20
+
+
+def test_the_feature_buffer_holds_the_targets_features_of_each_finished_row():
+    from specbatch.fast.engine import Clock
+    from specbatch.fast.models import ModelRunner, mask_fill_value
+    from specbatch.fast.strategies.ragged import RaggedEngine
+    target = tiny("llama", layers=2, seed=6)
+    draft, _ = feature_draft(target, seed=3)
+    settings = Settings(k=3, eos_ids=(), window=None, dtype=torch.float64, device=torch.device("cpu"),
+                        fill=mask_fill_value(torch.float64))
+    stats = Stats()
+    engine = RaggedEngine(ModelRunner(target), ModelRunner(draft), PROMPTS, [10] * len(PROMPTS), settings, stats,
+                          Clock(stats, settings.device), slots=2)
+    seen = []
+
+    def on_done(request, tokens, reason, rounds):
+        slot = int(np.nonzero(engine.request == request)[0][0])
+        content = PROMPTS[request] + tokens
+        want = target.model(input_ids=torch.tensor([content[:-1]])).last_hidden_state[0]
+        torch.testing.assert_close(engine.features.data[slot, :len(content) - 1], want, rtol=1e-7, atol=1e-9)
+        seen.append(request)
+
+    with torch.no_grad():
+        engine.run(on_done)
+    assert sorted(seen) == list(range(len(PROMPTS)))
+    assert not target.model.norm._forward_hooks  # the engine removed its hook
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec"])
+def test_strategies_that_cannot_keep_features_refuse_a_feature_draft(strategy):
+    target = tiny("llama", layers=2, seed=5)
+    draft, _ = feature_draft(target)
+    with pytest.raises(ValueError, match="only strategy='ragged'"):
+        specbatch.generate(target, draft, PROMPTS, max_new_tokens=4, strategy=strategy)
+    with pytest.raises(ValueError, match="only strategy='ragged'"):
+        specbatch.generate(target, LookupFirstDraft(draft), PROMPTS, max_new_tokens=4, strategy=strategy)
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+def test_generation_with_a_feature_draft_is_exact(lookup, batch_size):
+    target = tiny("llama", layers=2, seed=7)
+    draft, _ = feature_draft(target, seed=4)
+    draft = LookupFirstDraft(draft) if lookup else draft
+    out = specbatch.generate(target, draft, PROMPTS, max_new_tokens=16, batch_size=batch_size, num_draft_tokens=4,
+                             check_invariants=True, eos_token_id=[EOS])
+    assert out.sequences == oracle(target, PROMPTS, 16, [EOS])
+    assert not target.model.norm._forward_hooks

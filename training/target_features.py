@@ -1,0 +1,42 @@
+"""The target's final hidden states (after its last norm, the input of its LM head) over the
+distillation examples: the training data of a feature-conditioned draft (training/train_feature_draft.py).
+
+    python training/target_features.py --prompts training/data/stage1.jsonl training/data/stage2.jsonl \
+        --answers training/data/stage1_answers.jsonl training/data/stage2_answers.jsonl \
+        --out training/data/features.pt
+
+Writes {id: float16 tensor [len(ids), hidden]} for every example of train_draft.load_examples
+(prompt + answer, the same cut), one forward per example.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from train_draft import data_arguments, load_examples
+
+
+@torch.no_grad()
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data_arguments(parser)
+    args = parser.parse_args(argv)
+    from specbatch.fast.loading import load_model
+
+    target, tokenizer = load_model(args.target)
+    target.eval()
+    examples = load_examples(args.prompts, args.answers, tokenizer, args.max_len)
+    features, start = {}, time.time()
+    for i, (ident, ids, _) in enumerate(sorted(examples, key=lambda e: len(e[1]))):
+        hidden = target.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        features[ident] = hidden.to(torch.float16)
+        if i % 100 == 0:
+            print(f"{i}/{len(examples)} examples, {time.time() - start:.0f} s", flush=True)
+    torch.save(features, args.out)
+    print(f"{len(features)} examples in {time.time() - start:.0f} s; saved to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
