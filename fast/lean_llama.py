@@ -91,8 +91,9 @@ class LeanLlama(torch.nn.Module):
         self.norm, self.eps = base.norm.weight, config.rms_norm_eps
         self.rotary = base.rotary_emb
 
-    def forward(self, input_ids, position_ids, attention_mask, cache):
-        hidden = self.embed(input_ids)
+    def forward(self, input_ids, position_ids, attention_mask, cache, added=None):
+        """added: [B, Q, hidden] added to the token embeddings (fast.reduced_head's feature input)."""
+        hidden = self.embed(input_ids) if added is None else self.embed(input_ids) + added
         cos, sin = self.rotary(hidden, position_ids)
         for index, block in enumerate(self.blocks):
             hidden = block(hidden, cos, sin, attention_mask, cache, index)

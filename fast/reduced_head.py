@@ -19,9 +19,14 @@ from .models import cache_argument
 
 
 class ReducedHeadDraft(torch.nn.Module):
-    """`model` (a Hugging Face causal LM) with its output head restricted to `token_ids`."""
+    """`model` (a Hugging Face causal LM) with its output head restricted to `token_ids`.
 
-    def __init__(self, model, token_ids):
+    feature_projection: an optional [hidden, target hidden] weight. The draft then also reads the
+    target's features (fast.feature_draft): at content index j its input embedding is
+    embed(t_j) + P f_{j-1}; forward(features=None), past the content where the target has not yet
+    seen the tokens, reads zero (training/train_conditioned_draft.py trains it so)."""
+
+    def __init__(self, model, token_ids, feature_projection=None):
         super().__init__()
         self.model = model
         self.cache_kw = cache_argument(model)
@@ -36,6 +41,14 @@ class ReducedHeadDraft(torch.nn.Module):
                 self.head.bias.copy_(head.bias[ids])
         self.lean = LeanLlama(model) if supported(model) else None  # fewer, fused operations per step
         self.vocab_size = head.weight.shape[0]
+        self.projection = None
+        if feature_projection is not None:
+            weight = torch.as_tensor(feature_projection).to(head.weight.dtype)
+            self.projection = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=head.weight.device,
+                                              dtype=head.weight.dtype)
+            with torch.no_grad():
+                self.projection.weight.copy_(weight)
+        self.reads_features = self.projection is not None
         self.config = model.config
         self.generation_config = model.generation_config
 
@@ -47,17 +60,21 @@ class ReducedHeadDraft(torch.nn.Module):
         return self.model.get_output_embeddings()  # the full vocabulary: what the target is checked against
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
-                logits_to_keep=0, **kwargs):
+                logits_to_keep=0, features=None, **kwargs):
+        added = None
+        if self.projection is not None and features is not None:
+            added = self.projection(features.to(self.projection.weight.dtype))
         if self.lean is not None:
-            hidden = self.lean(input_ids, position_ids, attention_mask, cache)
+            hidden = self.lean(input_ids, position_ids, attention_mask, cache, added)
         else:
-            hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
-                                           attention_mask=attention_mask, use_cache=True,
-                                           **{self.cache_kw: cache}).last_hidden_state
+            inputs = {"input_ids": input_ids} if added is None else \
+                {"inputs_embeds": self.model.get_input_embeddings()(input_ids) + added}
+            hidden = self.model.base_model(**inputs, position_ids=position_ids, attention_mask=attention_mask,
+                                           use_cache=True, **{self.cache_kw: cache}).last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -int(logits_to_keep):]
         small = self.head(hidden)
         floor = torch.finfo(small.dtype).min / 2
         logits = small.new_full(small.shape[:-1] + (self.vocab_size,), floor)
         logits.index_copy_(-1, self.token_ids, small)
-        return SimpleNamespace(logits=logits)
+        return SimpleNamespace(logits=logits, features=None)  # no estimates of the target's features

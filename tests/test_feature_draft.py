@@ -13,6 +13,7 @@ from specbatch.fast.engine import Settings, Stats
 from specbatch.fast.feature_draft import (FeatureBuffer, FeatureDraft, FeatureDraftNet, draft_pending_after_features,
                                           feature_draft_config)
 from specbatch.fast.lookup_draft import LookupFirstDraft
+from specbatch.fast.reduced_head import ReducedHeadDraft
 
 from hf_models import EOS, VOCAB, oracle, tiny
 
@@ -27,6 +28,17 @@ def feature_draft(target, seed=0, tokens=None):
         for p in net.parameters():  # larger than the default init: distinct, confident proposals
             p.add_(torch.randn_like(p) * 0.3)
     return FeatureDraft(target, net, range(VOCAB) if tokens is None else tokens).eval(), net
+
+
+def conditioned_draft(target, seed=0, arch="llama"):
+    """A token draft (another tiny model) that also reads the target's features through a projection."""
+    generator = torch.Generator().manual_seed(seed)
+    projection = torch.randn(32, target.config.hidden_size, generator=generator, dtype=torch.float64) * 0.5
+    return ReducedHeadDraft(tiny(arch, layers=1, seed=seed + 10), range(VOCAB), projection).eval()
+
+
+DRAFTS = {"feature": lambda target, seed: feature_draft(target, seed)[0],
+          "conditioned": lambda target, seed: conditioned_draft(target, seed)}
 
 
 def causal(queries: int, slots: int) -> torch.Tensor:
@@ -81,14 +93,16 @@ def run_with_trace(tmp_path, target, draft, batch_size, max_new, **options):
     return out, [json.loads(line) for line in open(path)][1:-1]
 
 
+@pytest.mark.parametrize("kind", sorted(DRAFTS))
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true_features(tmp_path, batch_size):
+def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true_features(tmp_path, batch_size, kind):
     """Every proposal in the trace equals what the draft computes from scratch: the target's features
     of the row's content (a fresh forward), the draft over the content with f_{j-1} at index j, then
-    over each earlier proposal with its own estimate. Stale K/V from estimates, a pending token fed
-    the wrong feature or a feature written at the wrong index all change some proposal."""
+    over each earlier proposal with its own estimate (the conditioned draft: zero). Stale K/V from
+    estimates, a pending token fed the wrong feature or a feature written at the wrong index all
+    change some proposal."""
     target = tiny("llama", layers=2, seed=5)
-    draft, _ = feature_draft(target, seed=2)
+    draft = DRAFTS[kind](target, 2)
     max_new = [14, 9, 17, 6, 12]
     out, rounds = run_with_trace(tmp_path, target, draft, batch_size, max_new, num_draft_tokens=3,
                                  draft_threshold=0.0)  # adaptive: some rounds run no draft (pending grows)
@@ -101,15 +115,18 @@ def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true
                 drafted = row["drafted"]
                 if not drafted:
                     continue
-                hidden = target.model(input_ids=torch.tensor([content[:-1]])).last_hidden_state
-                features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden], dim=1)
+                features = torch.zeros(1, 1, target.config.hidden_size, dtype=torch.float64)  # index 0 reads none
+                if len(content) > 1:
+                    hidden = target.model(input_ids=torch.tensor([content[:-1]])).last_hidden_state
+                    features = torch.cat([features, hidden], dim=1)
                 ids = list(content)
                 for proposal in drafted:
                     n = len(ids)
                     step = draft(torch.tensor([ids]), torch.arange(n)[None], causal(n, n), DynamicCache(),
                                  features=features)
                     assert int(step.logits[0, -1].argmax()) == proposal
-                    features = torch.cat([features, step.features[:, -1:]], dim=1)
+                    estimate = step.features[:, -1:] if step.features is not None else torch.zeros_like(features[:, :1])
+                    features = torch.cat([features, estimate], dim=1)
                     ids.append(proposal)
                     checked += 1
     assert checked >= 20
@@ -141,23 +158,44 @@ def test_the_feature_buffer_holds_the_targets_features_of_each_finished_row():
     assert not target.model.norm._forward_hooks  # the engine removed its hook
 
 
+@pytest.mark.parametrize("kind", sorted(DRAFTS))
 @pytest.mark.parametrize("strategy", ["eqspec", "exspec"])
-def test_strategies_that_cannot_keep_features_refuse_a_feature_draft(strategy):
+def test_strategies_that_cannot_keep_features_refuse_a_feature_draft(strategy, kind):
     target = tiny("llama", layers=2, seed=5)
-    draft, _ = feature_draft(target)
+    draft = DRAFTS[kind](target, 0)
     with pytest.raises(ValueError, match="only strategy='ragged'"):
         specbatch.generate(target, draft, PROMPTS, max_new_tokens=4, strategy=strategy)
     with pytest.raises(ValueError, match="only strategy='ragged'"):
         specbatch.generate(target, LookupFirstDraft(draft), PROMPTS, max_new_tokens=4, strategy=strategy)
 
 
+@pytest.mark.parametrize("kind", sorted(DRAFTS))
 @pytest.mark.parametrize("lookup", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
-def test_generation_with_a_feature_draft_is_exact(lookup, batch_size):
+def test_generation_with_a_feature_draft_is_exact(lookup, batch_size, kind):
     target = tiny("llama", layers=2, seed=7)
-    draft, _ = feature_draft(target, seed=4)
+    draft = DRAFTS[kind](target, 4)
     draft = LookupFirstDraft(draft) if lookup else draft
     out = specbatch.generate(target, draft, PROMPTS, max_new_tokens=16, batch_size=batch_size, num_draft_tokens=4,
                              check_invariants=True, eos_token_id=[EOS])
     assert out.sequences == oracle(target, PROMPTS, 16, [EOS])
     assert not target.model.norm._forward_hooks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # the lean forward, and the model's own
+def test_the_conditioned_draft_adds_the_projected_feature_to_its_embedding(arch):
+    target = tiny("llama", layers=2, seed=8)
+    draft = conditioned_draft(target, seed=1, arch=arch)
+    assert (draft.lean is not None) == (arch == "llama")
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    features = torch.randn(2, 7, target.config.hidden_size, dtype=torch.float64)
+    pos, mask = torch.arange(7)[None].expand(2, -1), causal(7, 7)
+    with torch.no_grad():
+        got = draft(ids, pos, mask, DynamicCache(), features=features).logits
+        embeds = draft.model.get_input_embeddings()(ids) + features @ draft.projection.weight.T
+        want = draft.model(inputs_embeds=embeds, position_ids=pos, attention_mask=mask).logits
+        blind = draft(ids, pos, mask, DynamicCache()).logits  # no feature: the token draft alone
+        plain = draft.model(input_ids=ids, position_ids=pos, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blind, plain, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, blind)

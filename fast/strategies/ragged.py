@@ -193,8 +193,9 @@ class RaggedEngine:
                     features = self.features.inputs(rows_dev[:, None], dev(np.maximum(query_index, 0)))
             else:
                 query_index = content[:, None] + step - 1
-                if self.reads_features:  # past the content: the draft's own estimate from the step before
-                    features = self.draft.last_features[:, -1:]
+                estimate = self.draft.last_features
+                if self.reads_features and estimate is not None:  # past the content: the draft's own estimate
+                    features = estimate[:, -1:]                    # from the step before (else it reads none)
             logits, _, _ = self.forward("draft", query_index, ids, found, last_only=True, features=features)
             return logits[:, -1]
 
