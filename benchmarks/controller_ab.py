@@ -6,6 +6,7 @@ Variants (ragged, the default draft and options unless named):
   no-controller the threshold alone decides how far a row drafts (generate(..., adaptive=False))
   no-lookup-rows  rows whose lookup matches still run the draft model (the behaviour before lookup rows)
   all-valued    every row's accepted token valued at a plain round's share even with nobody waiting
+  no-ledger     drafting never turned off by the ledger of whole drafting rounds (fast.proposals.RoundLedger)
 Variants alternate inside each repeat, so machine drift touches them alike; each line is one run.
 
     python benchmarks/controller_ab.py --target smollm2 --prompts question.jsonl --per-category 1 \
@@ -17,15 +18,15 @@ import argparse
 import time
 from contextlib import contextmanager
 
-VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued")
+VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger")
 
 
 @contextmanager
 def variant(name: str):
     """Patch the engine for one variant (the patches are undone afterwards)."""
-    from specbatch.fast.proposals import DraftController
+    from specbatch.fast.proposals import DraftController, RoundLedger
     from specbatch.fast.strategies.ragged import RaggedEngine
-    init, values = RaggedEngine.__init__, DraftController.token_values
+    init, values, losing = RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing
 
     def no_lookup_rows(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -37,10 +38,12 @@ def variant(name: str):
         RaggedEngine.__init__ = no_lookup_rows
     if name == "all-valued":
         DraftController.token_values = all_valued
+    if name == "no-ledger":
+        RoundLedger.losing = lambda self: False
     try:
         yield
     finally:
-        RaggedEngine.__init__, DraftController.token_values = init, values
+        RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing = init, values, losing
 
 
 def main() -> None:

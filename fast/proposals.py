@@ -20,7 +20,9 @@ gives each row the cap whose proposals are expected to pay for their verify toke
 the draft steps whose measured yield pays for them (from TRIM_FROM_ROWS rows up); a round where
 every cap is 0 is a plain target step. Lookup rows (engine.draft_round) draft without model steps,
 so their cap is the one their verify tokens pay for. What an accepted token is worth depends on
-whether requests wait for a row (token_values). The cap depends on the batch and the machine:
+whether requests wait for a row (token_values). A ledger of whole drafting rounds (RoundLedger:
+seconds their accepted tokens saved minus their draft and extra verify seconds) turns drafting off
+while it loses, probing every PROBE_EVERY rounds. The cap depends on the batch and the machine:
 greedy and coupled outputs cannot change (any proposal is verified), but rejection-sampled outputs
 with a fixed seed would, so adaptive defaults to off there (their distribution is exact either way).
 """
@@ -159,6 +161,31 @@ class StepYield:
         return accepted * float(np.sum(values)) - proposed * len(values) * token_seconds >= draft_step
 
 
+class RoundLedger:
+    """What drafting rounds have actually bought, net of what they cost, as a decayed mean over the
+    rounds that drafted: saved = the accepted tokens times what each was worth in its row when the
+    caps were chosen (DraftController.token_values), cost = the round's draft seconds plus its verify
+    forward beyond a plain one of the same rows (the fitted verify cost). The forecasts behind the
+    caps are per row and per step; this is the check on the whole round, with the costs no forecast
+    sees (host copies, lookup, the draft's own bookkeeping). At batch 13 on Spec-Bench the caps'
+    forecasts paid on paper while the rounds lost 10% to target-only decoding."""
+
+    DECAY = 0.9
+    MIN_ROUNDS = 8  # rounds measured before the ledger may stop drafting
+
+    def __init__(self):
+        self.net, self.weight, self.rounds = 0.0, 0.0, 0
+
+    def add(self, saved: float, cost: float) -> None:
+        self.net = self.net * self.DECAY + (saved - cost)
+        self.weight = self.weight * self.DECAY + 1.0
+        self.rounds += 1
+
+    def losing(self) -> bool:
+        """Whether drafting rounds have lately cost more than they saved."""
+        return self.rounds >= self.MIN_ROUNDS and self.net < 0
+
+
 class DraftController:
     """Chooses each row's cap for the round from measured costs and the row's history.
 
@@ -171,7 +198,9 @@ class DraftController:
     draft step. (A forecast from per-step rates, P(propose)^d, dropped deep steps that paid: on
     Spec-Bench at batch 1 it ran 7% behind fixed k.) Probe rounds (every PROBE_EVERY) let each row
     propose at least one token, and every step up to a depth that cycles through 1..k run, so row
-    histories and step yields keep being measured."""
+    histories and step yields keep being measured. While the ledger of whole drafting rounds
+    (RoundLedger) says they lose, rounds are plain target steps, except every PROBE_EVERY-th, which
+    drafts by the caps above so the ledger keeps being measured."""
 
     PROBE_EVERY = 16
     # Draft steps are trimmed by their measured yield from this many rows up. Below it a verify token
@@ -191,6 +220,9 @@ class DraftController:
         self.last_record = None
         self.rounds = 0
         self.caps: list = []  # the round's largest cap, per round (statistics)
+        self.ledger = RoundLedger()
+        self.values = None  # per row, what an accepted token saves (the round's caps were chosen with it)
+        self.guarded_rounds = 0  # rounds made plain by the ledger (statistics)
 
     def row_caps(self, requests, clamp: np.ndarray, remaining=None, waiting: bool = True):
         """(caps, lookup_caps): each row's cap this round for proposals that need draft model steps,
@@ -198,6 +230,7 @@ class DraftController:
         cost verify tokens but no draft step. clamp: the row's min(k, remaining - 1); remaining:
         the tokens left in each row's budget; waiting: whether requests wait for a row to finish."""
         self.rounds += 1
+        self.values = None
         clamp = np.asarray(clamp, dtype=np.int64)
         if not self.adaptive or self.k == 0 or not clamp.max():
             caps = lookup_caps = clamp
@@ -206,7 +239,11 @@ class DraftController:
         else:
             caps, lookup_caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp,
                                                remaining, waiting)
-            if self.rounds % self.PROBE_EVERY == 0:
+            if self.ledger.losing():  # whole drafting rounds lose: plain steps, the policy's own round as probe
+                if self.rounds % self.PROBE_EVERY:
+                    caps = lookup_caps = np.zeros_like(clamp)
+                    self.guarded_rounds += 1
+            elif self.rounds % self.PROBE_EVERY == 0:
                 depth = 1 + (self.rounds // self.PROBE_EVERY) % self.k
                 caps = np.maximum(caps, np.minimum(clamp, 1))
                 deepest = int(np.argmax(clamp))  # one row drafts to the probe depth: every step there runs
@@ -223,6 +260,7 @@ class DraftController:
         token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)  # one more verified token
         draft_step = self.draft_cost(rows)
         value = self.token_values(rows, overhead, remaining, waiting)
+        self.values = value
         factors = self.depths.factors()
         a = np.array([h.acceptance(self.pooled) for h in histories]).reshape(rows)
         accept = np.cumprod(np.minimum(a[:, None] * factors[None, :], 0.98), axis=1)  # P(those d all accepted)
@@ -261,6 +299,10 @@ class DraftController:
             use = slice(None) if model_rows is None else np.asarray(model_rows, dtype=bool)
             self.steps.add(draft_steps, np.asarray(limit)[use], np.asarray(proposed)[use], np.asarray(accepted)[use])
         self.verify_cost.add(verify_tokens, verify_seconds)
+        if self.values is not None and np.any(proposed) and len(self.values) == len(proposed):
+            landed = np.minimum(np.asarray(accepted), np.asarray(proposed))
+            extra_verify = self.verify_cost(verify_tokens) - self.verify_cost(rows)
+            self.ledger.add(float(np.dot(self.values, landed)), draft_seconds + max(extra_verify, 0.0))
         now = time.perf_counter()
         if self.last_record is not None:  # commit, bookkeeping, refills: paid once per round, saved by fewer rounds
             self.overhead.append(max(now - self.last_record - draft_seconds - verify_seconds, 0.0))

@@ -100,6 +100,51 @@ def test_with_nobody_waiting_only_the_rows_that_finish_last_draft():
     assert (c.best_caps(histories, np.full(4, 4), remaining, waiting=True)[0] > 0).all()
 
 
+def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
+    """The round ledger: drafting rounds whose accepted tokens saved less than their draft and extra
+    verify seconds make the following rounds plain target steps, except every PROBE_EVERY-th, which
+    drafts by the caps; rounds that pay leave the caps alone, and a ledger back in profit resumes.
+    (Two rows: below TRIM_FROM_ROWS the per-step yields do not trim, so only the ledger can stop it.)"""
+    def controller(draft_seconds):
+        c = DraftController(k=4, adaptive=True)
+        c.draft_cost.add(2, 0.001)
+        for tokens in (2, 6, 10):
+            c.verify_cost.add(tokens, 0.050 + 0.001 * tokens)
+        plans = []
+        for _ in range(3 * DraftController.PROBE_EVERY):
+            caps, _ = c.row_caps([0, 1], np.full(2, 4))
+            plans.append(caps.copy())
+            c.record([0, 1], caps, np.minimum(caps, 1), caps >= 4, 2, int(caps.max()),
+                     draft_seconds if caps.any() else 0.0, 2 + int(caps.sum()), 0.050 + 0.001 * (2 + caps.sum()),
+                     limit=caps)
+        return c, plans
+
+    # one of four proposals accepted in each row, each worth half a 52 ms round; 80 ms of drafting a round
+    losing, plans = controller(0.080)
+    assert losing.ledger.losing() and losing.guarded_rounds > 0
+    drafting = [i + 1 for i, caps in enumerate(plans) if caps.any()]
+    late = [r for r in drafting if r > 2 * DraftController.PROBE_EVERY]
+    assert late and all(r % DraftController.PROBE_EVERY == 0 for r in late)  # only the probes draft
+    # the same rounds with 1 ms of drafting: they pay, and every round drafts
+    paying, plans = controller(0.001)
+    assert not paying.ledger.losing() and paying.guarded_rounds == 0
+    assert all(caps.any() for caps in plans)
+    # a ledger back in profit drafts again
+    losing.ledger.add(1.0, 0.0)
+    assert not losing.ledger.losing()
+    assert losing.row_caps([0, 1], np.full(2, 4))[0].any()
+
+
+def test_the_ledger_counts_what_accepted_tokens_saved_against_draft_and_extra_verify_seconds():
+    c = DraftController(k=4, adaptive=True)
+    for tokens in (2, 10):
+        c.verify_cost.add(tokens, 0.050 + 0.004 * tokens)
+    c.values = np.array([0.030, 0.0, 0.020])  # what a token saves in each row (the middle row: nothing)
+    c.record([0, 1, 2], [4, 4, 2], [1, 4, 5], [True, True, True], 3, 4, 0.010, 13, 0.102, limit=[4, 4, 2])
+    saved = 0.030 * 1 + 0.0 * 4 + 0.020 * 2  # accepted, at most the row's proposals
+    assert c.ledger.net == pytest.approx(saved - (0.010 + 0.004 * (13 - 3)))
+
+
 def test_a_rows_acceptance_counts_a_rejection_only_when_a_proposal_was_turned_down():
     h = RowHistory()
     h.add(4, 4)  # all four accepted: no rejection
