@@ -7,6 +7,7 @@ Variants (ragged, the default draft and options unless named):
   no-lookup-rows  rows whose lookup matches still run the draft model (the behaviour before lookup rows)
   all-valued    every row's accepted token valued at a plain round's share even with nobody waiting
   no-ledger     drafting never turned off by the ledger of whole drafting rounds (fast.proposals.RoundLedger)
+  ledger-everywhere  the ledger also acts below DraftController.LEDGER_FROM_ROWS rows
 Variants alternate inside each repeat, so machine drift touches them alike; each line is one run.
 
     python benchmarks/controller_ab.py --target smollm2 --prompts question.jsonl --per-category 1 \
@@ -18,7 +19,7 @@ import argparse
 import time
 from contextlib import contextmanager
 
-VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger")
+VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger", "ledger-everywhere")
 
 
 @contextmanager
@@ -27,6 +28,7 @@ def variant(name: str):
     from specbatch.fast.proposals import DraftController, RoundLedger
     from specbatch.fast.strategies.ragged import RaggedEngine
     init, values, losing = RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing
+    ledger_rows = DraftController.LEDGER_FROM_ROWS
 
     def no_lookup_rows(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -40,10 +42,13 @@ def variant(name: str):
         DraftController.token_values = all_valued
     if name == "no-ledger":
         RoundLedger.losing = lambda self: False
+    if name == "ledger-everywhere":
+        DraftController.LEDGER_FROM_ROWS = 1
     try:
         yield
     finally:
         RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing = init, values, losing
+        DraftController.LEDGER_FROM_ROWS = ledger_rows
 
 
 def main() -> None:

@@ -199,8 +199,8 @@ class DraftController:
     Spec-Bench at batch 1 it ran 7% behind fixed k.) Probe rounds (every PROBE_EVERY) let each row
     propose at least one token, and every step up to a depth that cycles through 1..k run, so row
     histories and step yields keep being measured. While the ledger of whole drafting rounds
-    (RoundLedger) says they lose, rounds are plain target steps, except every PROBE_EVERY-th, which
-    drafts by the caps above so the ledger keeps being measured."""
+    (RoundLedger) says they lose, rounds of LEDGER_FROM_ROWS rows or more are plain target steps,
+    except every PROBE_EVERY-th, which drafts by the caps above so the ledger keeps being measured."""
 
     PROBE_EVERY = 16
     # Draft steps are trimmed by their measured yield from this many rows up. Below it a verify token
@@ -208,6 +208,11 @@ class DraftController:
     # trimmed step is measured again only in probes: on Spec-Bench at batch 1 the trimming cost 6-13%
     # against the threshold alone (27.8-28.1 vs 24.7-26.1 tokens/s), while from batch 4 it gains.
     TRIM_FROM_ROWS = 3
+    # The round ledger stops drafting from this many rows up. Below it an accepted token is worth a
+    # large share of a round, and the ledger's false alarms cost more than it saves: each fresh answer
+    # opens with rounds whose proposals are mostly rejected, and `specbatch demo` (batch 2, short
+    # answers) ran at 1.03x with the ledger there against 1.09x without (tau 1.10 against 1.22).
+    LEDGER_FROM_ROWS = 3
 
     def __init__(self, k: int, adaptive: bool):
         self.k, self.adaptive = k, adaptive
@@ -239,8 +244,8 @@ class DraftController:
         else:
             caps, lookup_caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp,
                                                remaining, waiting)
-            if self.ledger.losing():  # whole drafting rounds lose: plain steps, the policy's own round as probe
-                if self.rounds % self.PROBE_EVERY:
+            if self.ledger.losing() and len(clamp) >= self.LEDGER_FROM_ROWS:  # whole drafting rounds lose:
+                if self.rounds % self.PROBE_EVERY:  # plain steps, the policy's own round as probe
                     caps = lookup_caps = np.zeros_like(clamp)
                     self.guarded_rounds += 1
             elif self.rounds % self.PROBE_EVERY == 0:

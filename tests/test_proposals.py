@@ -104,22 +104,24 @@ def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
     """The round ledger: drafting rounds whose accepted tokens saved less than their draft and extra
     verify seconds make the following rounds plain target steps, except every PROBE_EVERY-th, which
     drafts by the caps; rounds that pay leave the caps alone, and a ledger back in profit resumes.
-    (Two rows: below TRIM_FROM_ROWS the per-step yields do not trim, so only the ledger can stop it.)"""
-    def controller(draft_seconds):
+    (The per-step trimming is switched off, so only the ledger can stop drafting.)"""
+    def controller(draft_seconds, rows=4):
         c = DraftController(k=4, adaptive=True)
-        c.draft_cost.add(2, 0.001)
-        for tokens in (2, 6, 10):
+        c.TRIM_FROM_ROWS = 99
+        c.draft_cost.add(rows, 0.001)
+        for tokens in (rows, rows + 4, rows + 8):
             c.verify_cost.add(tokens, 0.050 + 0.001 * tokens)
-        plans = []
+        plans, requests = [], list(range(rows))
         for _ in range(3 * DraftController.PROBE_EVERY):
-            caps, _ = c.row_caps([0, 1], np.full(2, 4))
+            caps, _ = c.row_caps(requests, np.full(rows, 4))
             plans.append(caps.copy())
-            c.record([0, 1], caps, np.minimum(caps, 1), caps >= 4, 2, int(caps.max()),
-                     draft_seconds if caps.any() else 0.0, 2 + int(caps.sum()), 0.050 + 0.001 * (2 + caps.sum()),
-                     limit=caps)
+            c.record(requests, caps, np.minimum(caps, 1), caps >= 4, rows, int(caps.max()),
+                     draft_seconds if caps.any() else 0.0, rows + int(caps.sum()),
+                     0.050 + 0.001 * (rows + caps.sum()), limit=caps)
         return c, plans
 
-    # one of four proposals accepted in each row, each worth half a 52 ms round; 80 ms of drafting a round
+    # one of four proposals accepted in each row, each worth a quarter of a 54 ms round; 80 ms of
+    # drafting a round
     losing, plans = controller(0.080)
     assert losing.ledger.losing() and losing.guarded_rounds > 0
     drafting = [i + 1 for i, caps in enumerate(plans) if caps.any()]
@@ -132,7 +134,10 @@ def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
     # a ledger back in profit drafts again
     losing.ledger.add(1.0, 0.0)
     assert not losing.ledger.losing()
-    assert losing.row_caps([0, 1], np.full(2, 4))[0].any()
+    assert losing.row_caps([0, 1, 2, 3], np.full(4, 4))[0].any()
+    # below LEDGER_FROM_ROWS rows a losing ledger does not stop drafting
+    small, plans = controller(0.080, rows=2)
+    assert small.ledger.losing() and small.guarded_rounds == 0 and all(caps.any() for caps in plans)
 
 
 def test_the_ledger_counts_what_accepted_tokens_saved_against_draft_and_extra_verify_seconds():
