@@ -36,6 +36,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .lean_llama import LeanBlock
+from .reduced_head import full_vocab_logits, restricted_head
 
 
 def feature_draft_config(target_config, intermediate: int | None = None) -> LlamaConfig:
@@ -122,11 +123,8 @@ class FeatureDraft(torch.nn.Module):
         self.norm, self.eps = net.norm.weight, net.config.rms_norm_eps
         self.rotary = net.rotary
         head = target.get_output_embeddings()
-        ids = torch.as_tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long, device=device)
+        self.head, ids = restricted_head(head, token_ids)  # the target's head over the trained tokens
         self.register_buffer("token_ids", ids, persistent=False)
-        self.head = torch.nn.Linear(head.weight.shape[1], len(ids), bias=False, device=device, dtype=dtype)
-        with torch.no_grad():
-            self.head.weight.copy_(head.weight[ids])
         self.vocab_size = head.weight.shape[0]
 
     @property
@@ -146,10 +144,8 @@ class FeatureDraft(torch.nn.Module):
         predicted = self.block(x, cos, sin, attention_mask, cache, 0)
         predicted = F.rms_norm(predicted, (predicted.shape[-1],), self.norm, self.eps)
         hidden = predicted[:, -int(logits_to_keep):] if logits_to_keep else predicted
-        small = self.head(hidden)
-        logits = small.new_full(small.shape[:-1] + (self.vocab_size,), torch.finfo(small.dtype).min / 2)
-        logits.index_copy_(-1, self.token_ids, small)
-        return SimpleNamespace(logits=logits, features=predicted)
+        return SimpleNamespace(logits=full_vocab_logits(self.head(hidden), self.token_ids, self.vocab_size),
+                               features=predicted)
 
 
 class FeatureBuffer:

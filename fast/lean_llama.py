@@ -36,13 +36,20 @@ def supported(model) -> bool:
         and hasattr(getattr(model, "model", None), "layers")
 
 
+def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
+    """An nn.Linear holding copies of `weight` [out, in] (and `bias`), on their device and dtype."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+                             dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
 def fused_linear(*layers: torch.nn.Linear) -> torch.nn.Linear:
     """One nn.Linear whose output is the given layers' outputs side by side (no bias)."""
-    weight = torch.cat([layer.weight.detach() for layer in layers])
-    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(weight)
-    return fused
+    return linear_from(torch.cat([layer.weight.detach() for layer in layers]))
 
 
 class LeanBlock(torch.nn.Module):

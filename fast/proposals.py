@@ -174,11 +174,10 @@ class RoundLedger:
     MIN_ROUNDS = 8  # rounds measured before the ledger may stop drafting
 
     def __init__(self):
-        self.net, self.weight, self.rounds = 0.0, 0.0, 0
+        self.net, self.rounds = 0.0, 0
 
     def add(self, saved: float, cost: float) -> None:
         self.net = self.net * self.DECAY + (saved - cost)
-        self.weight = self.weight * self.DECAY + 1.0
         self.rounds += 1
 
     def losing(self) -> bool:

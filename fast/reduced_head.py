@@ -14,8 +14,22 @@ from types import SimpleNamespace
 
 import torch
 
-from .lean_llama import LeanLlama, supported
+from .lean_llama import LeanLlama, linear_from, supported
 from .models import cache_argument
+
+
+def restricted_head(head: torch.nn.Linear, token_ids) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """(a copy of `head` with only the rows of `token_ids`, those ids sorted as a tensor)."""
+    ids = torch.as_tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long, device=head.weight.device)
+    with torch.no_grad():
+        return linear_from(head.weight[ids], None if head.bias is None else head.bias[ids]), ids
+
+
+def full_vocab_logits(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over the whole vocabulary from a restricted head's [..., len(token_ids)]: the others get a
+    very negative constant (never proposed)."""
+    logits = small.new_full(small.shape[:-1] + (vocab_size,), torch.finfo(small.dtype).min / 2)
+    return logits.index_copy_(-1, token_ids, small)
 
 
 class ReducedHeadDraft(torch.nn.Module):
@@ -31,23 +45,12 @@ class ReducedHeadDraft(torch.nn.Module):
         self.model = model
         self.cache_kw = cache_argument(model)
         head = model.get_output_embeddings()
-        ids = torch.as_tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long, device=head.weight.device)
+        self.head, ids = restricted_head(head, token_ids)
         self.register_buffer("token_ids", ids, persistent=False)
-        self.head = torch.nn.Linear(head.weight.shape[1], len(ids), bias=head.bias is not None,
-                                    device=head.weight.device, dtype=head.weight.dtype)
-        with torch.no_grad():
-            self.head.weight.copy_(head.weight[ids])
-            if head.bias is not None:
-                self.head.bias.copy_(head.bias[ids])
         self.lean = LeanLlama(model) if supported(model) else None  # fewer, fused operations per step
         self.vocab_size = head.weight.shape[0]
-        self.projection = None
-        if feature_projection is not None:
-            weight = torch.as_tensor(feature_projection).to(head.weight.dtype)
-            self.projection = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=head.weight.device,
-                                              dtype=head.weight.dtype)
-            with torch.no_grad():
-                self.projection.weight.copy_(weight)
+        self.projection = None if feature_projection is None else linear_from(
+            torch.as_tensor(feature_projection).to(device=head.weight.device, dtype=head.weight.dtype))
         self.reads_features = self.projection is not None
         self.config = model.config
         self.generation_config = model.generation_config
@@ -73,8 +76,5 @@ class ReducedHeadDraft(torch.nn.Module):
                                            use_cache=True, **{self.cache_kw: cache}).last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -int(logits_to_keep):]
-        small = self.head(hidden)
-        floor = torch.finfo(small.dtype).min / 2
-        logits = small.new_full(small.shape[:-1] + (self.vocab_size,), floor)
-        logits.index_copy_(-1, self.token_ids, small)
+        logits = full_vocab_logits(self.head(hidden), self.token_ids, self.vocab_size)
         return SimpleNamespace(logits=logits, features=None)  # no estimates of the target's features

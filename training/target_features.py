@@ -15,7 +15,33 @@ import time
 
 import torch
 
-from train_draft import data_arguments, load_examples
+from train_draft import data_arguments, is_validation, load_examples
+
+
+def feature_arguments(parser) -> None:
+    """The arguments the feature-draft trainers share: train_draft's data arguments, this script's
+    output, the run's length and the validation split."""
+    data_arguments(parser)
+    parser.add_argument("--features", required=True, help="this script's output for the same examples")
+    parser.add_argument("--epochs", type=float, default=4.0)
+    parser.add_argument("--max-minutes", type=float, default=None)
+    parser.add_argument("--validation-share", type=float, default=0.04)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def feature_examples(args, tokenizer) -> tuple[dict, list, list]:
+    """(features, training examples, validation examples): train_draft.load_examples' examples that
+    have features, split as train_draft.py splits them."""
+    features = torch.load(args.features)
+    examples = [e for e in load_examples(args.prompts, args.answers, tokenizer, args.max_len) if e[0] in features]
+    train = [e for e in examples if not is_validation(e[0], args.validation_share)]
+    valid = [e for e in examples if is_validation(e[0], args.validation_share)]
+    return features, train, valid
+
+
+def feature_rms(features: dict, examples: list, count: int = 50) -> float:
+    """The root mean square of the features of the first `count` examples."""
+    return torch.cat([features[e[0]].float() for e in examples[:count]]).pow(2).mean().sqrt().item()
 
 
 @torch.no_grad()

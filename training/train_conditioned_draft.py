@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
-import time
 from pathlib import Path
 
 import torch
 from transformers import LlamaForCausalLM
 
-from train_draft import collate, data_arguments, draft_config, is_validation, load_examples, make_batches, pca_embedding
+from target_features import feature_arguments, feature_examples, feature_rms
+from train_draft import Schedule, collate, make_batches, new_draft
 
 
 def feature_inputs(batch, features: dict, width: int, hidden: int, scale: float) -> torch.Tensor:
@@ -49,23 +48,18 @@ def logits_at(draft, projection, ids, attention, feats, rows, positions, candida
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    data_arguments(parser)
-    parser.add_argument("--features", required=True)
+    feature_arguments(parser)
     parser.add_argument("--init", default=None, help="a token draft to start from (a train_draft.py output; default: "
                         "a new one, as train_draft.py makes it)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--epochs", type=float, default=4.0)
-    parser.add_argument("--max-minutes", type=float, default=None)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the draft's own weights")
     parser.add_argument("--projection-lr", type=float, default=1e-4,
                         help="peak learning rate of the projection (it reads the features divided by their RMS; "
                              "larger steps swamp the embedding at once)")
     parser.add_argument("--feature-dropout", type=float, default=0.3)
-    parser.add_argument("--validation-share", type=float, default=0.04)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     from specbatch.fast.loading import load_model
@@ -74,25 +68,15 @@ def main(argv=None):
     rng = random.Random(args.seed)
     target, tokenizer = load_model(args.target)
     target_hidden = target.config.hidden_size
-    target_embedding = target.get_input_embeddings().weight.float()
-    target_config = target.config
-    del target
-    examples = load_examples(args.prompts, args.answers, tokenizer, args.max_len)
-    features = torch.load(args.features)
-    examples = [e for e in examples if e[0] in features]
-    train = [e for e in examples if not is_validation(e[0], args.validation_share)]
-    valid = [e for e in examples if is_validation(e[0], args.validation_share)]
+    features, train, valid = feature_examples(args, tokenizer)
     if args.init:
         draft = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
         candidates = torch.tensor(json.loads((Path(args.init) / "output_tokens.json").read_text()))
     else:  # as train_draft.py: PCA embedding, the rest random; softmax over the tokens the answers use
-        draft = LlamaForCausalLM(draft_config(target_config, args.hidden, args.layers, args.intermediate,
-                                              args.heads)).float()
-        with torch.no_grad():
-            draft.model.embed_tokens.weight.copy_(pca_embedding(target_embedding, args.hidden))
+        draft = new_draft(target, args.hidden, args.layers, args.intermediate, args.heads)
         candidates = torch.tensor(sorted({t for _, ids, first in train for t in ids[first:]}))
-    del target_embedding
-    scale = 1.0 / torch.cat([features[e[0]].float() for e in train[:50]]).pow(2).mean().sqrt().item()
+    del target
+    scale = 1.0 / feature_rms(features, train)
     remap = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
     remap[candidates] = torch.arange(len(candidates))
     projection = torch.nn.Linear(target_hidden, draft.config.hidden_size, bias=False)
@@ -106,17 +90,16 @@ def main(argv=None):
     @torch.no_grad()
     def validate():
         draft.eval()
-        hits, blind, total = 0, 0, 0
+        agree, total = [0, 0], 0  # with the feature, without it
         for batch in valid_batches:
             ids, attention, rows, positions, labels = collate(batch, pad_id)
             feats = feature_inputs(batch, features, ids.shape[1], target_hidden, scale)
-            for which, f in (("with", feats), ("without", torch.zeros_like(feats))):
+            for which, f in enumerate((feats, torch.zeros_like(feats))):
                 logits = logits_at(draft, projection, ids, attention, f, rows, positions, candidates)
-                agree = (candidates[logits.argmax(-1)] == labels).sum().item()
-                hits, blind = (hits + agree, blind) if which == "with" else (hits, blind + agree)
+                agree[which] += (candidates[logits.argmax(-1)] == labels).sum().item()
             total += labels.numel()
         draft.train()
-        return round(hits / total, 4), round(blind / total, 4)
+        return round(agree[0] / total, 4), round(agree[1] / total, 4)
 
     start_agreement = validate()
     print(f"start: validation agreement with features {start_agreement[0]}, without {start_agreement[1]}", flush=True)
@@ -125,26 +108,16 @@ def main(argv=None):
     groups = [dict(params=list(draft.parameters()), lr=args.lr, peak=args.lr),
               dict(params=list(projection.parameters()), lr=args.projection_lr, peak=args.projection_lr)]
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = min(30, total_steps // 10)
-    budget = args.max_minutes * 60 if args.max_minutes else None
-
-    def progress(step, elapsed):
-        return max(step / total_steps, elapsed / budget if budget else 0.0)
-
-    def lr_factor(step, elapsed):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress(step, elapsed))))
-
-    start, step, log = time.time(), 0, []
+    schedule = Schedule(total_steps, min(30, total_steps // 10), args.max_minutes)
+    step, log = 0, []
     best = (start_agreement[0], 0, None)
-    while progress(step, time.time() - start) < 1:
+    while not schedule.done(step):
         for batch in make_batches(train, args.tokens_per_batch, rng):
             ids, attention, rows, positions, labels = collate(batch, pad_id)
             feats = feature_inputs(batch, features, ids.shape[1], target_hidden, scale)
             keep = (torch.rand(feats.shape[:2]) >= args.feature_dropout).float()[..., None]
             for group in optimizer.param_groups:
-                group["lr"] = group["peak"] * lr_factor(step, time.time() - start)
+                group["lr"] = group["peak"] * schedule.factor(step)
             logits = logits_at(draft, projection, ids, attention, feats * keep, rows, positions, candidates)
             loss = torch.nn.functional.cross_entropy(logits, remap[labels])
             optimizer.zero_grad(set_to_none=True)
@@ -152,9 +125,9 @@ def main(argv=None):
             torch.nn.utils.clip_grad_norm_(list(draft.parameters()) + list(projection.parameters()), 1.0)
             optimizer.step()
             step += 1
-            done = progress(step, time.time() - start) >= 1
+            done = schedule.done(step)
             if step % 25 == 0 or done:
-                entry = dict(step=step, loss=round(loss.item(), 4), minutes=round((time.time() - start) / 60, 2))
+                entry = dict(step=step, loss=round(loss.item(), 4), minutes=round(schedule.elapsed() / 60, 2))
                 if step % 100 == 0 or done:
                     entry["validation_with"], entry["validation_without"] = validate()
                     if entry["validation_with"] > best[0]:
@@ -176,7 +149,7 @@ def main(argv=None):
     summary = dict(seed=args.seed, init=args.init, feature_scale=scale, training_examples=len(train), validation_examples=len(valid),
                    steps=step, epochs=round(step / steps_per_epoch, 2), lr=args.lr, projection_lr=args.projection_lr,
                    feature_dropout=args.feature_dropout, kept_step=best[1] if best[2] is not None else step,
-                   wall_minutes=round((time.time() - start) / 60, 1), start_validation_with=start_agreement[0],
+                   wall_minutes=round(schedule.elapsed() / 60, 1), start_validation_with=start_agreement[0],
                    start_validation_without=start_agreement[1], validation_with=final[0], validation_without=final[1],
                    torch_threads=torch.get_num_threads(), log=log)
     (out / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -70,6 +70,15 @@ def draft_config(target_config, hidden: int, layers: int, intermediate: int, hea
     )
 
 
+def new_draft(target, hidden: int, layers: int, intermediate: int, heads: int) -> LlamaForCausalLM:
+    """A float32 draft of draft_config whose tied embedding is the PCA projection of the target's
+    (pca_embedding); everything else random."""
+    draft = LlamaForCausalLM(draft_config(target.config, hidden, layers, intermediate, heads)).float()
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(pca_embedding(target.get_input_embeddings().weight.float(), hidden))
+    return draft
+
+
 def pca_embedding(embedding: torch.Tensor, hidden: int) -> torch.Tensor:
     """The target's embedding projected on its `hidden` first principal directions, scaled to rows
     of about unit norm (initial logits of order 1 through the tied head)."""
@@ -77,6 +86,31 @@ def pca_embedding(embedding: torch.Tensor, hidden: int) -> torch.Tensor:
     _, _, v = torch.linalg.svd(centered, full_matrices=False)
     projected = centered @ v[:hidden].T
     return projected / projected.std() / math.sqrt(hidden)
+
+
+class Schedule:
+    """The learning-rate factor of a run: a linear warm-up over `warmup` steps, then a cosine from 1
+    down to `floor`. The run's progress is by steps, or by wall time (from construction) when a
+    `max_minutes` budget ends it sooner; `done(step)` says when it is over."""
+
+    def __init__(self, total_steps: int, warmup: int, max_minutes: float | None = None, floor: float = 0.05):
+        self.total_steps, self.warmup, self.floor = total_steps, warmup, floor
+        self.budget = max_minutes * 60 if max_minutes else None
+        self.start = time.time()
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+    def progress(self, step: int) -> float:
+        return max(step / self.total_steps, self.elapsed() / self.budget if self.budget else 0.0)
+
+    def done(self, step: int) -> bool:
+        return self.progress(step) >= 1
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, self.progress(step))))
 
 
 def is_validation(ident: str, share: float) -> bool:
@@ -191,10 +225,8 @@ def main(argv=None):
     answer_tokens = sum(len(ids) - first for _, ids, first in train)
     print(f"{len(train)} training examples ({answer_tokens} answer tokens), {len(valid)} validation", flush=True)
 
-    config = draft_config(target.config, args.hidden, args.layers, args.intermediate, args.heads)
-    draft = LlamaForCausalLM(config).float()
-    with torch.no_grad():
-        draft.model.embed_tokens.weight.copy_(pca_embedding(target.get_input_embeddings().weight.float(), args.hidden))
+    draft = new_draft(target, args.hidden, args.layers, args.intermediate, args.heads)
+    config = draft.config
     draft.generation_config.eos_token_id = target.generation_config.eos_token_id
     del target
     teacher = torch.load(args.teacher) if args.teacher else None
@@ -216,26 +248,15 @@ def main(argv=None):
     steps_per_epoch = len(make_batches(train, args.tokens_per_batch, random.Random(0)))
     total_steps = max(1, int(steps_per_epoch * args.epochs))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = min(100, total_steps // 10)
-    budget = args.max_minutes * 60 if args.max_minutes else None
-
-    def progress(step: int, elapsed: float) -> float:
-        """Fraction of the run done: by steps, or by wall time when a time budget ends it sooner."""
-        return max(step / total_steps, elapsed / budget if budget else 0.0)
-
-    def learning_rate(step: int, elapsed: float) -> float:
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress(step, elapsed)))))
-
-    start, step, seen_tokens, log = time.time(), 0, 0, []
+    schedule = Schedule(total_steps, min(100, total_steps // 10), args.max_minutes)
+    step, seen_tokens, log = 0, 0, []
     best = (-1.0, 0, None)  # (validation agreement, step, weights)
     print(f"{sum(p.numel() for p in draft.parameters())} parameters, at most {total_steps} steps", flush=True)
-    while progress(step, time.time() - start) < 1:
+    while not schedule.done(step):
         for batch in make_batches(train, args.tokens_per_batch, rng):
             ids, attention, rows, positions, labels = collate(batch, pad_id)
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, time.time() - start)
+                group["lr"] = args.lr * schedule.factor(step)
             logits = answer_logits(draft, ids, attention, rows, positions, candidates)
             loss = torch.nn.functional.cross_entropy(logits, labels if remap is None else remap[labels])
             if teacher is not None:
@@ -248,11 +269,11 @@ def main(argv=None):
             optimizer.step()
             step += 1
             seen_tokens += labels.numel()
-            done = progress(step, time.time() - start) >= 1
+            done = schedule.done(step)
             if step % 50 == 0 or done:
-                elapsed = time.time() - start
+                elapsed = schedule.elapsed()
                 entry = dict(step=step, loss=round(loss.item(), 4), minutes=round(elapsed / 60, 2),
-                             tokens_per_s=round(seen_tokens / elapsed), lr=round(learning_rate(step, elapsed), 6))
+                             tokens_per_s=round(seen_tokens / elapsed), lr=round(args.lr * schedule.factor(step), 6))
                 if step % 500 == 0 or done:
                     entry["validation_agreement"] = round(agreement(draft, valid_batches, pad_id), 4)
                     if entry["validation_agreement"] > best[0]:  # keep the best weights (over-fitting guard)
@@ -275,7 +296,7 @@ def main(argv=None):
         epochs=round(step / steps_per_epoch, 2), tokens_per_batch=args.tokens_per_batch, lr=args.lr,
         output_tokens_trained=None if candidates is None else len(candidates), hidden=args.hidden,
         layers=args.layers, intermediate=args.intermediate, heads=args.heads,
-        parameters=sum(p.numel() for p in draft.parameters()), wall_minutes=round((time.time() - start) / 60, 1),
+        parameters=sum(p.numel() for p in draft.parameters()), wall_minutes=round(schedule.elapsed() / 60, 1),
         kept_step=best[1] if best[2] is not None else step,
         teacher=args.teacher, soft_weight=args.soft_weight if args.teacher else None,
         validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,

@@ -24,16 +24,15 @@ output tokens, training_log.json with the validation agreement of steps 1 and 2)
 from __future__ import annotations
 
 import argparse
-import math
 import random
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from train_draft import data_arguments, is_validation, load_examples, make_batches
+from target_features import feature_arguments, feature_examples, feature_rms
+from train_draft import Schedule, make_batches
 
 
 def collate(batch, features: dict, hidden: int):
@@ -49,6 +48,11 @@ def collate(batch, features: dict, hidden: int):
         rows += [r] * (len(tokens) - first)
         index += range(first - 1, len(tokens) - 1)
     return ids, feats, torch.tensor(rows), torch.tensor(index)
+
+
+def shifted(feats: torch.Tensor) -> torch.Tensor:
+    """The draft's feature inputs [B, W, H] from the features [B, W, H]: f_{j-1} at index j, zero at 0."""
+    return torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)
 
 
 def second_step_mask(width: int) -> torch.Tensor:
@@ -88,16 +92,11 @@ def losses(predicted, feats, rows, index, head, feature_weight: float):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    data_arguments(parser)
-    parser.add_argument("--features", required=True)
+    feature_arguments(parser)
     parser.add_argument("--intermediate", type=int, default=None, help="the layer's MLP width (default: the target's)")
-    parser.add_argument("--epochs", type=float, default=4.0)
-    parser.add_argument("--max-minutes", type=float, default=None)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--feature-weight", type=float, default=1.0)
     parser.add_argument("--noise", type=float, default=0.1, help="uniform noise on the input features, times their RMS")
-    parser.add_argument("--validation-share", type=float, default=0.04)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     from specbatch.fast.feature_draft import FeatureDraftNet, feature_draft_config
@@ -106,11 +105,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     target, tokenizer = load_model(args.target)
-    examples = load_examples(args.prompts, args.answers, tokenizer, args.max_len)
-    features = torch.load(args.features)
-    examples = [e for e in examples if e[0] in features]
-    train = [e for e in examples if not is_validation(e[0], args.validation_share)]
-    valid = [e for e in examples if is_validation(e[0], args.validation_share)]
+    features, train, valid = feature_examples(args, tokenizer)
     used = sorted({t for _, ids, first in train for t in ids[first:]})
     head = target.get_output_embeddings().weight.detach()[torch.tensor(used)].float()
     embedding = target.get_input_embeddings()
@@ -122,7 +117,7 @@ def main(argv=None):
     for p in list(embedding.parameters()):
         p.requires_grad_(False)
     hidden = config.hidden_size
-    scale = torch.cat([features[e[0]].float() for e in train[:50]]).pow(2).mean().sqrt().item()
+    scale = feature_rms(features, train)
     print(f"{len(train)} training / {len(valid)} validation examples, {len(used)} output tokens, "
           f"feature RMS {scale:.3f}, {sum(p.numel() for p in net.parameters())} parameters", flush=True)
 
@@ -130,16 +125,6 @@ def main(argv=None):
     steps_per_epoch = len(make_batches(train, args.tokens_per_batch, random.Random(0)))
     total_steps = max(1, int(steps_per_epoch * args.epochs))
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    warmup = min(50, total_steps // 10)
-    budget = args.max_minutes * 60 if args.max_minutes else None
-
-    def progress(step, elapsed):
-        return max(step / total_steps, elapsed / budget if budget else 0.0)
-
-    def learning_rate(step, elapsed):
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        return args.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress(step, elapsed)))))
 
     @torch.no_grad()
     def validate():
@@ -147,20 +132,20 @@ def main(argv=None):
         agree, total = [0, 0], 0
         for batch in valid_batches:
             ids, feats, rows, index = collate(batch, features, hidden)
-            true_in = torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)
-            for s, out in enumerate(forward_two_steps(net, embedding(ids), true_in)):
+            for s, out in enumerate(forward_two_steps(net, embedding(ids), shifted(feats))):
                 agree[s] += losses(out, feats, rows, index, head, args.feature_weight)[1]
             total += len(rows)
         net.train()
         return [round(a / max(total, 1), 4) for a in agree]
 
-    start, step, log, best = time.time(), 0, [], (-1.0, None, None)
-    while progress(step, time.time() - start) < 1:
+    schedule = Schedule(total_steps, min(50, total_steps // 10), args.max_minutes, floor=0.02)
+    step, log, best = 0, [], (-1.0, None, None)
+    while not schedule.done(step):
         for batch in make_batches(train, args.tokens_per_batch, rng):
             ids, feats, rows, index = collate(batch, features, hidden)
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, time.time() - start)
-            true_in = torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)
+                group["lr"] = args.lr * schedule.factor(step)
+            true_in = shifted(feats)
             noisy = true_in + (torch.rand_like(true_in) * 2 - 1) * args.noise * scale
             with torch.no_grad():
                 embedded = embedding(ids)
@@ -173,10 +158,10 @@ def main(argv=None):
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
             optimizer.step()
             step += 1
-            done = progress(step, time.time() - start) >= 1
+            done = schedule.done(step)
             if step % 25 == 0 or done:
                 entry = dict(step=step, loss=round(loss.item(), 4), train_step1=round(agree1 / len(rows), 3),
-                             train_step2=round(agree2 / len(rows), 3), minutes=round((time.time() - start) / 60, 2))
+                             train_step2=round(agree2 / len(rows), 3), minutes=round(schedule.elapsed() / 60, 2))
                 if step % 200 == 0 or done:
                     entry["validation_step1"], entry["validation_step2"] = validate()
                     if entry["validation_step1"] > best[0]:
@@ -192,7 +177,7 @@ def main(argv=None):
                    epochs=round(step / steps_per_epoch, 2), lr=args.lr, feature_weight=args.feature_weight,
                    noise=args.noise, intermediate=config.intermediate_size, output_tokens_trained=len(used),
                    parameters=sum(p.numel() for p in net.parameters()), kept_step=best[1] or step,
-                   wall_minutes=round((time.time() - start) / 60, 1), validation_step1=final[0],
+                   wall_minutes=round(schedule.elapsed() / 60, 1), validation_step1=final[0],
                    validation_step2=final[1], torch_threads=torch.get_num_threads(), log=log)
     net.save(Path(args.out), used, summary)
     print(f"validation agreement step 1 {final[0]:.3f}, step 2 {final[1]:.3f}; saved to {args.out}")
