@@ -9,13 +9,17 @@ Right". For each (method, batch size) the run
 records tokens/s (generated tokens / wall time including prefill), the mean accepted length τ,
 the acceptance rate, the time breakdown (draft / verify / align / prefill), the alignment share,
 and exact match against target-only greedy decoding at batch 1. Repeats loop outermost and
-methods innermost, so machine drift touches every method alike; figures are means over repeats.
+methods innermost, so machine drift touches every method alike, and every second repeat runs the
+methods of a batch size in reverse order (target-only last instead of first), so a machine that
+slows down or speeds up during a run favours neither; figures are means over repeats, and beside
+each ratio of means the ratios of each repeat's own runs (paired) and their median.
 Writes bench.json, bench.md and two PNG plots into --out-dir.
 """
 from __future__ import annotations
 
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,14 +82,23 @@ def run_method(method, batch, target, draft, ids, args, eos_ids):
     return result.sequences, result.stats
 
 
+def paired_ratios(reps: list[dict], ar_reps: list[dict]) -> list[float]:
+    """tokens/s of each repeat's run over the same repeat's target-only run at the same batch size."""
+    ar_by_repeat = {a["repeat"]: a["tokens_per_second"] for a in ar_reps}
+    return [r["tokens_per_second"] / ar_by_repeat[r["repeat"]] for r in reps
+            if ar_by_repeat.get(r["repeat"])]
+
+
 def markdown_table(rows) -> str:
-    head = ("| method | batch | tokens/s | vs ar same batch | vs spec1 | τ | acceptance | draft s | verify s | "
-            "align s | prefill s | align share | exact match |")
+    head = ("| method | batch | tokens/s | vs ar same batch | vs ar per repeat (median) | vs spec1 | τ | acceptance | "
+            "draft s | verify s | align s | prefill s | align share | exact match |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         fmt = lambda v, d=2: "-" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
+        paired = "/".join(f"{v:.2f}" for v in r.get("vs_ar_runs") or [])
+        paired = f"{paired} ({fmt(r.get('vs_ar_median'))}x)" if paired else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {fmt(r['tokens_per_second'], 1)} | {fmt(r.get('vs_ar'))}x | "
-                     f"{fmt(r.get('vs_spec1'))}x | {fmt(r['mean_accepted_length'])} | {fmt(r['acceptance_rate'])} | "
+                     f"{paired} | {fmt(r.get('vs_spec1'))}x | {fmt(r['mean_accepted_length'])} | {fmt(r['acceptance_rate'])} | "
                      f"{fmt(r['time_draft'])} | {fmt(r['time_verify'])} | {fmt(r['time_align'], 3)} | "
                      f"{fmt(r['time_prefill'])} | {fmt(100 * r['align_share'], 1)}% | {r['exact']} |")
     return "\n".join(lines)
@@ -269,7 +282,8 @@ def run_bench(args) -> int:
     order = sorted(args.batch_sizes, key=lambda b: b != 1)  # batch 1 first: its "ar" run is the reference
     for repeat in range(args.repeats):
         for batch in order:
-            for method in sorted(methods, key=lambda m: m != "ar"):
+            ordered = sorted(methods, key=lambda m: m != "ar")
+            for method in ordered if repeat % 2 == 0 else ordered[::-1]:  # ABBA: drift cancels in pairs
                 if method in BATCH_ONE and batch != order[0]:
                     continue
                 b = 1 if method in BATCH_ONE else batch
@@ -280,7 +294,7 @@ def run_bench(args) -> int:
                 if reference is None:
                     reference = sequences
                 exact = sum(s == r for s, r in zip(sequences, reference))
-                runs.setdefault((method, b), []).append(dict(stats, exact=exact))
+                runs.setdefault((method, b), []).append(dict(stats, exact=exact, repeat=repeat))
     rows = []
     for (method, batch), reps in runs.items():
         row = {key: sum(r[key] for r in reps) / len(reps) for key in (
@@ -294,6 +308,8 @@ def run_bench(args) -> int:
         ar = by.get(("ar", r["batch"]))
         spec1 = by.get(("spec1", 1))
         r["vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"] if ar else None
+        r["vs_ar_runs"] = paired_ratios(runs[(r["method"], r["batch"])], runs.get(("ar", r["batch"]), []))
+        r["vs_ar_median"] = statistics.median(r["vs_ar_runs"]) if r["vs_ar_runs"] else None
         r["vs_spec1"] = r["tokens_per_second"] / spec1["tokens_per_second"] if spec1 else None
     rows.sort(key=lambda r: (r["batch"], KNOWN.index(r["method"])))
     machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),

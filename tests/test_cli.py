@@ -115,6 +115,22 @@ def test_bench_writes_table_json_and_plots(folders, prompt_file, tmp_path):
     assert (out / "throughput.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
 
 
+def test_bench_alternates_method_order_and_pairs_ratios_by_repeat(folders, prompt_file, tmp_path, capsys):
+    """Every second repeat runs target-only last; each repeat's ratio divides by that repeat's own ar run."""
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompt_file),
+                 "--dtype", "float64", "--max-new-tokens", "4", "--batch-sizes", "2", "--methods", "ar,ragged",
+                 "--repeats", "3", "--out-dir", str(out)]) == 0
+    order = [line.split("] ")[1] for line in capsys.readouterr().err.splitlines() if line.startswith("[repeat")]
+    assert order == ["ar batch 2", "ragged batch 2", "ragged batch 2", "ar batch 2", "ar batch 2", "ragged batch 2"]
+    rows = {r["method"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    spec, ar = rows["ragged"]["tokens_per_second_runs"], rows["ar"]["tokens_per_second_runs"]
+    assert rows["ragged"]["vs_ar_runs"] == pytest.approx([s / a for s, a in zip(spec, ar)])
+    assert rows["ragged"]["vs_ar_median"] == pytest.approx(sorted(s / a for s, a in zip(spec, ar))[1])
+    assert rows["ar"]["vs_ar_runs"] == pytest.approx([1.0] * 3)
+    assert "(1.00x)" in (out / "bench.md").read_text()
+
+
 def test_bench_compares_another_engines_results(folders, prompt_file, tmp_path, capsys):
     """--compare: another engine's tokens/s (its own timing) and its exact match against the reference."""
     want = expected(folders)
