@@ -8,7 +8,10 @@ Variants (ragged, the default draft and options unless named):
   all-valued    every row's accepted token valued at a plain round's share even with nobody waiting
   no-ledger     drafting never turned off by the ledger of whole drafting rounds (fast.proposals.RoundLedger)
   ledger-everywhere  the ledger also acts below DraftController.LEDGER_FROM_ROWS rows
-Variants alternate inside each repeat, so machine drift touches them alike; each line is one run.
+  fixed-probes  the ledger's probes every PROBE_EVERY rounds while it loses (no backoff)
+  no-plain-anchor  no plain rounds measured at the start (the verify cost fitted through drafting rounds)
+Variants alternate inside each repeat (in reverse order every second repeat), so machine drift
+touches them alike; each line is one run.
 
     python benchmarks/controller_ab.py --target smollm2 --prompts question.jsonl --per-category 1 \
         --chat-template --batch-size 13 --repeats 2 [--variants ar,default,no-controller]
@@ -19,7 +22,8 @@ import argparse
 import time
 from contextlib import contextmanager
 
-VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger", "ledger-everywhere")
+VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger", "ledger-everywhere",
+            "fixed-probes", "no-plain-anchor")
 
 
 @contextmanager
@@ -28,7 +32,8 @@ def variant(name: str):
     from specbatch.fast.proposals import DraftController, RoundLedger
     from specbatch.fast.strategies.ragged import RaggedEngine
     init, values, losing = RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing
-    ledger_rows = DraftController.LEDGER_FROM_ROWS
+    ledger_rows, probe_limit = DraftController.LEDGER_FROM_ROWS, DraftController.PROBE_LIMIT
+    plain_samples = DraftController.PLAIN_SAMPLES
 
     def no_lookup_rows(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -44,11 +49,16 @@ def variant(name: str):
         RoundLedger.losing = lambda self: False
     if name == "ledger-everywhere":
         DraftController.LEDGER_FROM_ROWS = 1
+    if name == "no-plain-anchor":
+        DraftController.PLAIN_SAMPLES = 0
+    if name == "fixed-probes":
+        DraftController.PROBE_LIMIT = DraftController.PROBE_EVERY
     try:
         yield
     finally:
         RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing = init, values, losing
-        DraftController.LEDGER_FROM_ROWS = ledger_rows
+        DraftController.LEDGER_FROM_ROWS, DraftController.PROBE_LIMIT = ledger_rows, probe_limit
+        DraftController.PLAIN_SAMPLES = plain_samples
 
 
 def main() -> None:
@@ -80,7 +90,7 @@ def main() -> None:
     print("| repeat | variant | batch | tokens/s | exact | rounds | lookup rounds | τ | draft s | verify s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for repeat in range(args.repeats):
-        for name in names:
+        for name in names if repeat % 2 == 0 else names[::-1]:  # drift cancels in pairs of repeats
             options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
             if name == "no-controller":
                 options["adaptive"] = False

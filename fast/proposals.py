@@ -199,7 +199,10 @@ class DraftController:
     propose at least one token, and every step up to a depth that cycles through 1..k run, so row
     histories and step yields keep being measured. While the ledger of whole drafting rounds
     (RoundLedger) says they lose, rounds of LEDGER_FROM_ROWS rows or more are plain target steps,
-    except every PROBE_EVERY-th, which drafts by the caps above so the ledger keeps being measured."""
+    except probes, which draft by the caps above so the ledger keeps being measured: the first
+    PROBE_EVERY rounds after drafting stopped, and the gap doubles after each probe that leaves the
+    ledger losing, up to PROBE_LIMIT (a probe costs a drafting round; at batch 13 on Spec-Bench the
+    ledger stays negative through a whole run, where probes every 16 rounds were 7 of its 128)."""
 
     PROBE_EVERY = 16
     # Draft steps are trimmed by their measured yield from this many rows up. Below it a verify token
@@ -212,6 +215,12 @@ class DraftController:
     # opens with rounds whose proposals are mostly rejected, and `specbatch demo` (batch 2, short
     # answers) ran at 1.03x with the ledger there against 1.09x without (tau 1.10 against 1.22).
     LEDGER_FROM_ROWS = 3
+    PROBE_LIMIT = 64  # the longest gap between the ledger's probes while drafting keeps losing
+    # From LEDGER_FROM_ROWS rows up, every second round is plain until this many plain rounds have been
+    # measured: the verify cost's line needs its point at no proposals. Fitted through drafting rounds
+    # alone (13 to 34 tokens at batch 13, noisy), its slope came out at 0-1.4 ms a token instead of
+    # about 2.2, the ledger saw no extra verify cost, and drafting ran on for 20-30 losing rounds.
+    PLAIN_SAMPLES = 3
 
     def __init__(self, k: int, adaptive: bool):
         self.k, self.adaptive = k, adaptive
@@ -227,6 +236,9 @@ class DraftController:
         self.ledger = RoundLedger()
         self.values = None  # per row, what an accepted token saves (the round's caps were chosen with it)
         self.guarded_rounds = 0  # rounds made plain by the ledger (statistics)
+        self.probe_gap = self.PROBE_EVERY  # rounds from the ledger's next probe to the one after it
+        self.next_probe = self.PROBE_EVERY  # the round of the ledger's next probe, while it is losing
+        self.plain_rounds = 0  # rounds measured without proposals
 
     def row_caps(self, requests, clamp: np.ndarray, remaining=None, waiting: bool = True):
         """(caps, lookup_caps): each row's cap this round for proposals that need draft model steps,
@@ -238,21 +250,27 @@ class DraftController:
         clamp = np.asarray(clamp, dtype=np.int64)
         if not self.adaptive or self.k == 0 or not clamp.max():
             caps = lookup_caps = clamp
+        elif len(clamp) >= self.LEDGER_FROM_ROWS and self.plain_rounds < self.PLAIN_SAMPLES and self.rounds % 2 == 0:
+            caps = lookup_caps = np.zeros_like(clamp)  # a plain round: the verify cost at no proposals
         elif not self.draft_cost.measured() or not self.verify_cost.ready():
             caps = lookup_caps = clamp  # explore until a draft step and verifies of two widths have been measured
+        elif self.ledger.losing() and len(clamp) >= self.LEDGER_FROM_ROWS and self.rounds < self.next_probe:
+            caps = lookup_caps = np.zeros_like(clamp)  # whole drafting rounds lose: a plain target step
+            self.guarded_rounds += 1
         else:
             caps, lookup_caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp,
                                                remaining, waiting)
-            if self.ledger.losing() and len(clamp) >= self.LEDGER_FROM_ROWS:  # whole drafting rounds lose:
-                if self.rounds % self.PROBE_EVERY:  # plain steps, the policy's own round as probe
-                    caps = lookup_caps = np.zeros_like(clamp)
-                    self.guarded_rounds += 1
+            if self.ledger.losing() and len(clamp) >= self.LEDGER_FROM_ROWS:  # the ledger's probe: the
+                self.probe_gap = min(2 * self.probe_gap, self.PROBE_LIMIT)       # policy's own round
+                self.next_probe = self.rounds + self.probe_gap
             elif self.rounds % self.PROBE_EVERY == 0:
                 depth = 1 + (self.rounds // self.PROBE_EVERY) % self.k
                 caps = np.maximum(caps, np.minimum(clamp, 1))
                 deepest = int(np.argmax(clamp))  # one row drafts to the probe depth: every step there runs
                 caps[deepest] = max(int(caps[deepest]), min(int(clamp[deepest]), depth))
                 lookup_caps = np.maximum(lookup_caps, caps)
+        if not self.ledger.losing():  # drafting pays (or is not yet judged): probes start over if it stops
+            self.probe_gap, self.next_probe = self.PROBE_EVERY, self.rounds + self.PROBE_EVERY
         self.caps.append(int(caps.max()) if len(caps) else 0)
         return caps, lookup_caps
 
@@ -303,6 +321,7 @@ class DraftController:
             use = slice(None) if model_rows is None else np.asarray(model_rows, dtype=bool)
             self.steps.add(draft_steps, np.asarray(limit)[use], np.asarray(proposed)[use], np.asarray(accepted)[use])
         self.verify_cost.add(verify_tokens, verify_seconds)
+        self.plain_rounds += not np.any(proposed)
         if self.values is not None and np.any(proposed) and len(self.values) == len(proposed):
             landed = np.minimum(np.asarray(accepted), np.asarray(proposed))
             extra_verify = self.verify_cost(verify_tokens) - self.verify_cost(rows)

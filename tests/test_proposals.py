@@ -102,17 +102,19 @@ def test_with_nobody_waiting_only_the_rows_that_finish_last_draft():
 
 def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
     """The round ledger: drafting rounds whose accepted tokens saved less than their draft and extra
-    verify seconds make the following rounds plain target steps, except every PROBE_EVERY-th, which
-    drafts by the caps; rounds that pay leave the caps alone, and a ledger back in profit resumes.
-    (The per-step trimming is switched off, so only the ledger can stop drafting.)"""
+    verify seconds make the following rounds plain target steps, except probes, which draft by the
+    caps: PROBE_EVERY rounds after drafting stopped, then at gaps that double while the probes lose,
+    up to PROBE_LIMIT; rounds that pay leave the caps alone, and a ledger back in profit resumes.
+    (The per-step trimming and the first plain rounds are switched off, so only the ledger can stop
+    drafting.)"""
     def controller(draft_seconds, rows=4):
         c = DraftController(k=4, adaptive=True)
-        c.TRIM_FROM_ROWS = 99
+        c.TRIM_FROM_ROWS, c.PLAIN_SAMPLES = 99, 0
         c.draft_cost.add(rows, 0.001)
         for tokens in (rows, rows + 4, rows + 8):
             c.verify_cost.add(tokens, 0.050 + 0.001 * tokens)
         plans, requests = [], list(range(rows))
-        for _ in range(3 * DraftController.PROBE_EVERY):
+        for _ in range(16 * DraftController.PROBE_EVERY):
             caps, _ = c.row_caps(requests, np.full(rows, 4))
             plans.append(caps.copy())
             c.record(requests, caps, np.minimum(caps, 1), caps >= 4, rows, int(caps.max()),
@@ -125,8 +127,10 @@ def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
     losing, plans = controller(0.080)
     assert losing.ledger.losing() and losing.guarded_rounds > 0
     drafting = [i + 1 for i, caps in enumerate(plans) if caps.any()]
-    late = [r for r in drafting if r > 2 * DraftController.PROBE_EVERY]
-    assert late and all(r % DraftController.PROBE_EVERY == 0 for r in late)  # only the probes draft
+    stopped = next(r for r in range(1, len(plans) + 1) if not plans[r - 1].any())  # the first plain round
+    probes = [r for r in drafting if r > stopped]
+    assert np.diff([stopped - 1] + probes).tolist() == [16, 32, 64, 64, 64][:len(probes)]  # gaps double
+    assert len(probes) == 5 and losing.guarded_rounds == len(plans) - len(drafting)
     # the same rounds with 1 ms of drafting: they pay, and every round drafts
     paying, plans = controller(0.001)
     assert not paying.ledger.losing() and paying.guarded_rounds == 0
@@ -138,6 +142,29 @@ def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
     # below LEDGER_FROM_ROWS rows a losing ledger does not stop drafting
     small, plans = controller(0.080, rows=2)
     assert small.ledger.losing() and small.guarded_rounds == 0 and all(caps.any() for caps in plans)
+
+
+def test_the_controller_measures_plain_rounds_first_from_three_rows_up():
+    """From LEDGER_FROM_ROWS rows up, every second round is plain until PLAIN_SAMPLES plain rounds are
+    measured, so the verify cost's line has its point at no proposals (here a true cost of 50 ms + 2 ms
+    a token, with noisy drafting rounds: the fitted slope is the true one)."""
+    def run(rows, rounds=12):
+        c = DraftController(k=4, adaptive=True)
+        plans, requests, noise = [], list(range(rows)), np.random.default_rng(0)
+        for _ in range(rounds):
+            caps, _ = c.row_caps(requests, np.full(rows, 4))
+            plans.append(caps.copy())
+            tokens = rows + int(caps.sum())
+            c.record(requests, caps, np.minimum(caps, 1), caps >= 4, rows, int(caps.max()), 0.002 if caps.any() else 0.0,
+                     tokens, 0.050 + 0.002 * tokens + noise.normal(0, 0.004) * (tokens > rows), limit=caps)
+        return c, [bool(caps.any()) for caps in plans]
+
+    c, drafted = run(13)
+    assert [i + 1 for i, d in enumerate(drafted) if not d][:DraftController.PLAIN_SAMPLES] == [2, 4, 6]
+    assert c.plain_rounds >= DraftController.PLAIN_SAMPLES and all(drafted[6::2])
+    assert c.verify_cost(14) - c.verify_cost(13) == pytest.approx(0.002, rel=0.5)
+    c, drafted = run(2)  # below LEDGER_FROM_ROWS: no plain rounds are imposed
+    assert all(drafted)
 
 
 def test_the_ledger_counts_what_accepted_tokens_saved_against_draft_and_extra_verify_seconds():
