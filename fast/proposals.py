@@ -180,6 +180,10 @@ class RoundLedger:
         self.net = self.net * self.DECAY + (saved - cost)
         self.rounds += 1
 
+    def forget(self) -> None:
+        """A round without drafting: what was measured before weighs less (the next probe decides)."""
+        self.net *= self.DECAY
+
     def losing(self) -> bool:
         """Whether drafting rounds have lately cost more than they saved."""
         return self.rounds >= self.MIN_ROUNDS and self.net < 0
@@ -202,7 +206,10 @@ class DraftController:
     except probes, which draft by the caps above so the ledger keeps being measured: the first
     PROBE_EVERY rounds after drafting stopped, and the gap doubles after each probe that leaves the
     ledger losing, up to PROBE_LIMIT (a probe costs a drafting round; at batch 13 on Spec-Bench the
-    ledger stays negative through a whole run, where probes every 16 rounds were 7 of its 128)."""
+    ledger stays negative through a whole run, where probes every 16 rounds were 7 of its 128).
+    Plain rounds make the ledger forget (RoundLedger.forget), so a probe that pays resumes drafting,
+    and the gap starts over only once drafting has paid for PROBE_EVERY rounds (at batch 13 a lucky
+    probe and a few losing rounds after it would otherwise bring the probes back to every 16 rounds)."""
 
     PROBE_EVERY = 16
     # Draft steps are trimmed by their measured yield from this many rows up. Below it a verify token
@@ -239,6 +246,7 @@ class DraftController:
         self.probe_gap = self.PROBE_EVERY  # rounds from the ledger's next probe to the one after it
         self.next_probe = self.PROBE_EVERY  # the round of the ledger's next probe, while it is losing
         self.plain_rounds = 0  # rounds measured without proposals
+        self.paying_rounds = 0  # rounds since the ledger last said drafting loses
 
     def row_caps(self, requests, clamp: np.ndarray, remaining=None, waiting: bool = True):
         """(caps, lookup_caps): each row's cap this round for proposals that need draft model steps,
@@ -257,6 +265,7 @@ class DraftController:
         elif self.ledger.losing() and len(clamp) >= self.LEDGER_FROM_ROWS and self.rounds < self.next_probe:
             caps = lookup_caps = np.zeros_like(clamp)  # whole drafting rounds lose: a plain target step
             self.guarded_rounds += 1
+            self.ledger.forget()
         else:
             caps, lookup_caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp,
                                                remaining, waiting)
@@ -269,8 +278,13 @@ class DraftController:
                 deepest = int(np.argmax(clamp))  # one row drafts to the probe depth: every step there runs
                 caps[deepest] = max(int(caps[deepest]), min(int(clamp[deepest]), depth))
                 lookup_caps = np.maximum(lookup_caps, caps)
-        if not self.ledger.losing():  # drafting pays (or is not yet judged): probes start over if it stops
-            self.probe_gap, self.next_probe = self.PROBE_EVERY, self.rounds + self.PROBE_EVERY
+        if not self.ledger.losing():  # drafting pays (or is not yet judged)
+            self.paying_rounds += 1
+            if self.paying_rounds >= self.PROBE_EVERY:  # for a while: probes start over if it stops
+                self.probe_gap = self.PROBE_EVERY
+            self.next_probe = self.rounds + self.probe_gap
+        else:
+            self.paying_rounds = 0
         self.caps.append(int(caps.max()) if len(caps) else 0)
         return caps, lookup_caps
 

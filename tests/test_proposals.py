@@ -14,7 +14,7 @@ import specbatch
 import specbatch.fast.engine as engine
 from hf_models import EOS, VOCAB, oracle, tiny
 from specbatch.fast.drafts import ScriptedDraft
-from specbatch.fast.proposals import DraftController, LinearCost, RowHistory, proposal_lengths
+from specbatch.fast.proposals import DraftController, LinearCost, RoundLedger, RowHistory, proposal_lengths
 from specbatch.invariants import InvariantError, check_proposal_lengths, check_trace
 from specbatch.reference import ToyLM, confidence_hashed, deviate_at, deviate_hashed
 from specbatch.reference import generate as reference_generate
@@ -142,6 +142,51 @@ def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
     # below LEDGER_FROM_ROWS rows a losing ledger does not stop drafting
     small, plans = controller(0.080, rows=2)
     assert small.ledger.losing() and small.guarded_rounds == 0 and all(caps.any() for caps in plans)
+
+
+def test_a_probe_that_pays_resumes_drafting_and_plain_rounds_forget():
+    """While drafting is off the ledger forgets, so a probe that pays ends the plain rounds."""
+    c = DraftController(k=4, adaptive=True)
+    c.TRIM_FROM_ROWS, c.PLAIN_SAMPLES, rows = 99, 0, 4
+    c.draft_cost.add(rows, 0.001)
+    for tokens in (rows, rows + 8):
+        c.verify_cost.add(tokens, 0.050 + 0.001 * tokens)
+    for round_index in range(1, 5 * DraftController.PROBE_EVERY + 1):
+        caps, _ = c.row_caps(list(range(rows)), np.full(rows, 4))
+        pays = not DraftController.PROBE_EVERY < round_index <= 3 * DraftController.PROBE_EVERY  # pay, lose, pay
+        c.record(list(range(rows)), caps, caps if pays else 0 * caps, caps >= 4, rows, int(caps.max()),
+                 0.001 if pays else 0.080, rows + int(caps.sum()), 0.050 + 0.001 * (rows + caps.sum()), limit=caps)
+    assert c.guarded_rounds > 0 and not c.ledger.losing()  # drafting resumed after a paying probe
+    assert c.row_caps(list(range(rows)), np.full(rows, 4))[0].any()
+    # each plain round of the ledger's own forgets a DECAY of what it measured before
+    c.ledger.net, c.next_probe, guarded = -1.0, c.rounds + 11, c.guarded_rounds
+    for _ in range(10):
+        assert not c.row_caps(list(range(rows)), np.full(rows, 4))[0].any()
+    assert c.guarded_rounds == guarded + 10 and c.ledger.net == pytest.approx(-RoundLedger.DECAY ** 10)
+
+
+def test_one_paying_probe_does_not_bring_the_probes_back_to_every_16_rounds():
+    """A probe that pays resumes drafting, but the gap to the next probe keeps growing unless
+    drafting then pays for PROBE_EVERY rounds (here the rounds after the lucky probe lose again)."""
+    c = DraftController(k=4, adaptive=True)
+    c.TRIM_FROM_ROWS, c.PLAIN_SAMPLES, rows = 99, 0, 4
+    c.draft_cost.add(rows, 0.001)
+    for tokens in (rows, rows + 8):
+        c.verify_cost.add(tokens, 0.050 + 0.001 * tokens)
+    lucky, drafted = None, []
+    for round_index in range(1, 161):
+        caps, _ = c.row_caps(list(range(rows)), np.full(rows, 4))
+        if caps.any():
+            drafted.append(round_index)
+            lucky = lucky or (round_index if c.guarded_rounds else None)  # the first probe pays
+        pays = round_index == lucky
+        c.record(list(range(rows)), caps, caps if pays else 0 * caps, caps >= 4, rows, int(caps.max()),
+                 0.001 if pays else 0.080, rows + int(caps.sum()), 0.050 + 0.001 * (rows + caps.sum()), limit=caps)
+    stretch_end = lucky  # the last round of the drafting that the lucky probe resumed
+    while stretch_end + 1 in drafted:
+        stretch_end += 1
+    probes = [r for r in drafted if r > stretch_end]
+    assert probes[:2] == [stretch_end + 32, stretch_end + 32 + 64]
 
 
 def test_the_controller_measures_plain_rounds_first_from_three_rows_up():
