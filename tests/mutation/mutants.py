@@ -119,6 +119,12 @@ MUTANTS = [
     ("ledger-counts-savings-as-cost", "proposals", "fast/proposals.py",
      "self.net = self.net * self.DECAY + (saved - cost)", "self.net = self.net * self.DECAY + (cost - saved)",
      PROPOSALS),
+    ("controller-skips-plain-anchor", "proposals", "fast/proposals.py",
+     "self.plain_rounds += not np.any(proposed)", "self.plain_rounds += 1", PROPOSALS),
+    ("ledger-probes-never-back-off", "proposals", "fast/proposals.py",
+     "self.probe_gap = min(2 * self.probe_gap, self.PROBE_LIMIT)", "self.probe_gap = self.PROBE_EVERY", PROPOSALS),
+    ("ledger-never-forgets", "proposals", "fast/proposals.py",
+     "            self.ledger.forget()", "            pass", PROPOSALS),
     # ---- drafts that read the target's features
     ("feature-input-off-by-one", "features", "fast/feature_draft.py",
      "before = self.data[rows, (index - 1).clamp(min=0)]", "before = self.data[rows, index.clamp(min=0)]", FEATURES),
