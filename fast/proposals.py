@@ -22,7 +22,8 @@ every cap is 0 is a plain target step. Lookup rows (engine.draft_round) draft wi
 so their cap is the one their verify tokens pay for. What an accepted token is worth depends on
 whether requests wait for a row (token_values). A ledger of whole drafting rounds (RoundLedger:
 seconds their accepted tokens saved minus their draft and extra verify seconds) turns drafting off
-while it loses, probing every PROBE_EVERY rounds. The cap depends on the batch and the machine:
+while it loses, probing at gaps that grow while the probes lose; from 3 rows up the first rounds
+alternate with plain ones, so the verify cost is measured at no proposals. The cap depends on the batch and the machine:
 greedy and coupled outputs cannot change (any proposal is verified), but rejection-sampled outputs
 with a fixed seed would, so adaptive defaults to off there (their distribution is exact either way).
 """
@@ -203,13 +204,13 @@ class DraftController:
     propose at least one token, and every step up to a depth that cycles through 1..k run, so row
     histories and step yields keep being measured. While the ledger of whole drafting rounds
     (RoundLedger) says they lose, rounds of LEDGER_FROM_ROWS rows or more are plain target steps,
-    except probes, which draft by the caps above so the ledger keeps being measured: the first
-    PROBE_EVERY rounds after drafting stopped, and the gap doubles after each probe that leaves the
-    ledger losing, up to PROBE_LIMIT (a probe costs a drafting round; at batch 13 on Spec-Bench the
-    ledger stays negative through a whole run, where probes every 16 rounds were 7 of its 128).
-    Plain rounds make the ledger forget (RoundLedger.forget), so a probe that pays resumes drafting,
-    and the gap starts over only once drafting has paid for PROBE_EVERY rounds (at batch 13 a lucky
-    probe and a few losing rounds after it would otherwise bring the probes back to every 16 rounds)."""
+    except the ledger's probes, which draft by the caps above so the ledger keeps being measured:
+    PROBE_EVERY rounds after it turned, then at gaps that double with each probe, up to PROBE_LIMIT
+    (a probe is a drafting round, and at batch 13 on Spec-Bench the ledger stays negative through a
+    whole run, where probes every 16 rounds were 7 of its 128). Plain rounds make the ledger forget
+    (RoundLedger.forget), so a probe that pays resumes drafting; the gaps start over only once
+    drafting has paid for PROBE_EVERY rounds, so one lucky probe and a few losing rounds after it do
+    not bring the probes back to every 16 rounds."""
 
     PROBE_EVERY = 16
     # Draft steps are trimmed by their measured yield from this many rows up. Below it a verify token
