@@ -191,7 +191,7 @@ def truncated_draft(target, num_layers: int = 2):
     return draft.to(next(target.parameters()).device).eval()
 
 
-def feature_draft(folder: Path, target, dtype=None, device=None):
+def feature_draft(folder: Path, target):
     """The feature draft saved in `folder` (training/train_feature_draft.py), on `target`'s embedding
     and head; refused when the target is not the one it was trained for (its width differs)."""
     from .feature_draft import FeatureDraft, FeatureDraftNet
@@ -206,7 +206,7 @@ def feature_draft(folder: Path, target, dtype=None, device=None):
 
 def conditioned_draft(folder: Path, target, dtype, device):
     """The token draft in `folder` that also reads the target's features (reduced head, feature
-    projection: training/train_conditioned_draft.py); dtype and device as the target's."""
+    projection: training/train_conditioned_draft.py)."""
     import json
 
     from .reduced_head import ReducedHeadDraft
@@ -248,12 +248,13 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
             raise ModelLoadError(f"{spec}: the target has {layers} layers; a truncated draft keeps fewer "
                                  f"(truncated:1 .. truncated:{layers - 1})")
         return truncated_draft(target, int(count)), None
-    for prefix, make in (("feature:", feature_draft), ("conditioned:", conditioned_draft)):
-        if spec.startswith(prefix):  # drafts that read the target's features, trained for this target
-            folder = Path(spec[len(prefix):]).expanduser()
-            if not folder.is_dir():
-                raise ModelLoadError(f"{spec}: {folder} is not a folder (a training/train_{prefix[:-1]}_draft.py output)")
-            return make(folder, target, dtype, device), None
+    kind, colon, where = spec.partition(":")
+    if colon and kind in ("feature", "conditioned"):  # drafts that read the target's features, trained for it
+        folder = Path(where).expanduser()
+        if not folder.is_dir():
+            raise ModelLoadError(f"{spec}: {folder} is not a folder (a training/train_{kind}_draft.py output)")
+        return (feature_draft(folder, target) if kind == "feature" else
+                conditioned_draft(folder, target, dtype, device)), None
     full_head = spec.endswith("-full") and spec[: -len("-full")] in DISTILLED_DRAFTS
     if spec in DISTILLED_DRAFTS or full_head:
         name = spec[: -len("-full")] if full_head else spec

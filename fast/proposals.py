@@ -23,9 +23,10 @@ so their cap is the one their verify tokens pay for. What an accepted token is w
 whether requests wait for a row (token_values). A ledger of whole drafting rounds (RoundLedger:
 seconds their accepted tokens saved minus their draft and extra verify seconds) turns drafting off
 while it loses, probing at gaps that grow while the probes lose; from 3 rows up the first rounds
-alternate with plain ones, so the verify cost is measured at no proposals. The cap depends on the batch and the machine:
-greedy and coupled outputs cannot change (any proposal is verified), but rejection-sampled outputs
-with a fixed seed would, so adaptive defaults to off there (their distribution is exact either way).
+alternate with plain ones, so the verify cost is measured at no proposals. The cap depends on the
+batch and the machine: greedy and coupled outputs cannot change (any proposal is verified), but
+rejection-sampled outputs with a fixed seed would, so adaptive defaults to off there (their
+distribution is exact either way).
 """
 from __future__ import annotations
 
@@ -257,20 +258,21 @@ class DraftController:
         self.rounds += 1
         self.values = None
         clamp = np.asarray(clamp, dtype=np.int64)
+        guarded = len(clamp) >= self.LEDGER_FROM_ROWS and self.ledger.losing()  # the ledger stops drafting
         if not self.adaptive or self.k == 0 or not clamp.max():
             caps = lookup_caps = clamp
         elif len(clamp) >= self.LEDGER_FROM_ROWS and self.plain_rounds < self.PLAIN_SAMPLES and self.rounds % 2 == 0:
             caps = lookup_caps = np.zeros_like(clamp)  # a plain round: the verify cost at no proposals
         elif not self.draft_cost.measured() or not self.verify_cost.ready():
             caps = lookup_caps = clamp  # explore until a draft step and verifies of two widths have been measured
-        elif self.ledger.losing() and len(clamp) >= self.LEDGER_FROM_ROWS and self.rounds < self.next_probe:
+        elif guarded and self.rounds < self.next_probe:
             caps = lookup_caps = np.zeros_like(clamp)  # whole drafting rounds lose: a plain target step
             self.guarded_rounds += 1
             self.ledger.forget()
         else:
             caps, lookup_caps = self.best_caps([self.rows.get(int(r), RowHistory()) for r in requests], clamp,
                                                remaining, waiting)
-            if self.ledger.losing() and len(clamp) >= self.LEDGER_FROM_ROWS:  # the ledger's probe: the
+            if guarded:  # the ledger's probe: the
                 self.probe_gap = min(2 * self.probe_gap, self.PROBE_LIMIT)       # policy's own round
                 self.next_probe = self.rounds + self.probe_gap
             elif self.rounds % self.PROBE_EVERY == 0:

@@ -100,6 +100,26 @@ def test_with_nobody_waiting_only_the_rows_that_finish_last_draft():
     assert (c.best_caps(histories, np.full(4, 4), remaining, waiting=True)[0] > 0).all()
 
 
+def ledger_controller(rows: int = 4, extra_tokens=(0, 8)) -> DraftController:
+    """A controller with measured costs (a draft step 1 ms, a verify 50 ms + 1 ms a token, at `rows`
+    plus each of `extra_tokens`) and the per-step trimming and the first plain rounds switched off,
+    so only the round ledger can stop drafting."""
+    c = DraftController(k=4, adaptive=True)
+    c.TRIM_FROM_ROWS, c.PLAIN_SAMPLES = 99, 0
+    c.draft_cost.add(rows, 0.001)
+    for extra in extra_tokens:
+        c.verify_cost.add(rows + extra, 0.050 + 0.001 * (rows + extra))
+    return c
+
+
+def settle(c: DraftController, caps: np.ndarray, pays: bool) -> None:
+    """Record a round of `caps` that paid (every proposal accepted, 1 ms of drafting) or lost (none
+    accepted, 80 ms of drafting); the verify costs 50 ms + 1 ms a token."""
+    rows = len(caps)
+    c.record(list(range(rows)), caps, caps if pays else 0 * caps, caps >= 4, rows, int(caps.max()),
+             0.001 if pays else 0.080, rows + int(caps.sum()), 0.050 + 0.001 * (rows + caps.sum()), limit=caps)
+
+
 def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
     """The round ledger: drafting rounds whose accepted tokens saved less than their draft and extra
     verify seconds make the following rounds plain target steps, except probes, which draft by the
@@ -108,11 +128,7 @@ def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
     (The per-step trimming and the first plain rounds are switched off, so only the ledger can stop
     drafting.)"""
     def controller(draft_seconds, rows=4):
-        c = DraftController(k=4, adaptive=True)
-        c.TRIM_FROM_ROWS, c.PLAIN_SAMPLES = 99, 0
-        c.draft_cost.add(rows, 0.001)
-        for tokens in (rows, rows + 4, rows + 8):
-            c.verify_cost.add(tokens, 0.050 + 0.001 * tokens)
+        c = ledger_controller(rows, (0, 4, 8))
         plans, requests = [], list(range(rows))
         for _ in range(16 * DraftController.PROBE_EVERY):
             caps, _ = c.row_caps(requests, np.full(rows, 4))
@@ -146,16 +162,12 @@ def test_drafting_stops_while_whole_rounds_lose_and_its_probes_keep_measuring():
 
 def test_a_probe_that_pays_resumes_drafting_and_plain_rounds_forget():
     """While drafting is off the ledger forgets, so a probe that pays ends the plain rounds."""
-    c = DraftController(k=4, adaptive=True)
-    c.TRIM_FROM_ROWS, c.PLAIN_SAMPLES, rows = 99, 0, 4
-    c.draft_cost.add(rows, 0.001)
-    for tokens in (rows, rows + 8):
-        c.verify_cost.add(tokens, 0.050 + 0.001 * tokens)
+    rows = 4
+    c = ledger_controller(rows)
     for round_index in range(1, 5 * DraftController.PROBE_EVERY + 1):
         caps, _ = c.row_caps(list(range(rows)), np.full(rows, 4))
-        pays = not DraftController.PROBE_EVERY < round_index <= 3 * DraftController.PROBE_EVERY  # pay, lose, pay
-        c.record(list(range(rows)), caps, caps if pays else 0 * caps, caps >= 4, rows, int(caps.max()),
-                 0.001 if pays else 0.080, rows + int(caps.sum()), 0.050 + 0.001 * (rows + caps.sum()), limit=caps)
+        losing_stretch = DraftController.PROBE_EVERY < round_index <= 3 * DraftController.PROBE_EVERY
+        settle(c, caps, pays=not losing_stretch)  # pay, lose, pay
     assert c.guarded_rounds > 0 and not c.ledger.losing()  # drafting resumed after a paying probe
     assert c.row_caps(list(range(rows)), np.full(rows, 4))[0].any()
     # each plain round of the ledger's own forgets a DECAY of what it measured before
@@ -168,20 +180,15 @@ def test_a_probe_that_pays_resumes_drafting_and_plain_rounds_forget():
 def test_one_paying_probe_does_not_bring_the_probes_back_to_every_16_rounds():
     """A probe that pays resumes drafting, but the gap to the next probe keeps growing unless
     drafting then pays for PROBE_EVERY rounds (here the rounds after the lucky probe lose again)."""
-    c = DraftController(k=4, adaptive=True)
-    c.TRIM_FROM_ROWS, c.PLAIN_SAMPLES, rows = 99, 0, 4
-    c.draft_cost.add(rows, 0.001)
-    for tokens in (rows, rows + 8):
-        c.verify_cost.add(tokens, 0.050 + 0.001 * tokens)
+    rows = 4
+    c = ledger_controller(rows)
     lucky, drafted = None, []
     for round_index in range(1, 161):
         caps, _ = c.row_caps(list(range(rows)), np.full(rows, 4))
         if caps.any():
             drafted.append(round_index)
             lucky = lucky or (round_index if c.guarded_rounds else None)  # the first probe pays
-        pays = round_index == lucky
-        c.record(list(range(rows)), caps, caps if pays else 0 * caps, caps >= 4, rows, int(caps.max()),
-                 0.001 if pays else 0.080, rows + int(caps.sum()), 0.050 + 0.001 * (rows + caps.sum()), limit=caps)
+        settle(c, caps, pays=round_index == lucky)
     stretch_end = lucky  # the last round of the drafting that the lucky probe resumed
     while stretch_end + 1 in drafted:
         stretch_end += 1
