@@ -32,10 +32,12 @@ class UnpaddedRow:
         self.cached = length
 
 
-def simulate_rounds(draft, prompt: list[int], answer: list[int], k: int, threshold: float = 0.0) -> tuple[int, int]:
+def simulate_rounds(draft, prompt: list[int], answer: list[int], k: int, threshold: float = 0.0,
+                    floor: float | None = None) -> tuple[int, int]:
     """(tokens, rounds) of greedy speculative decoding of `prompt` when the target's greedy answer is
-    known: the draft proposes from the true prefix (while its confidence is >= threshold: the
-    proposal rule of fast.proposals without the cost controller), leading matches are accepted, one
+    known: the draft proposes from the true prefix (while its confidence is >= threshold, and the
+    token it stops at if that confidence is >= floor: the proposal rule of fast.proposals without
+    the cost controller; floor None: threshold), leading matches are accepted, one
     target token follows; only the draft runs (batch 1, its cache cropped after each round). As in
     the engine, the first round drafts right after the prompt, and a round drafts at most
     remaining - 1 tokens."""
@@ -46,9 +48,13 @@ def simulate_rounds(draft, prompt: list[int], answer: list[int], k: int, thresho
         limit = min(k, len(answer) - committed - 1)
         proposals = []
         logits = row.feed(sequence[row.cached:len(prompt) + committed]) if limit > 0 else None
-        while logits is not None and len(proposals) < limit and float(mode_probability(logits)) >= threshold:
+        while logits is not None and len(proposals) < limit:
+            confidence = float(mode_probability(logits))
+            if confidence < (threshold if floor is None else floor):
+                break
             proposals.append(int(logits.argmax()))
-            logits = row.feed([proposals[-1]]) if len(proposals) < limit else None
+            going_on = confidence >= threshold and len(proposals) < limit
+            logits = row.feed([proposals[-1]]) if going_on else None
         accepted = 0
         while accepted < len(proposals) and proposals[accepted] == answer[committed + accepted]:
             accepted += 1

@@ -63,8 +63,13 @@ class Settings:
     chooser: object = field(default_factory=Greedy)  # fast.sampling: Greedy, Rejection or Coupled
     arrivals: Arrivals | None = None  # when requests become available (None: all at once)
     threshold: float = 0.0  # fast.proposals: a row stops drafting below this confidence (0: never)
+    floor: float | None = None  # ... and proposes the step it stops at if its confidence is >= floor (None: never)
     controller: DraftController | None = None  # the round's cap (None: k)
     flat_verify: bool = True  # ragged: verify each row's own proposals in one flat forward
+
+    @property
+    def proposal_floor(self) -> float:
+        return self.threshold if self.floor is None else self.floor
 
     @property
     def eos(self) -> torch.Tensor:
@@ -143,7 +148,8 @@ class Proposals:
     first `proposed` ones, the rest are never accepted), q [R, steps, V] for rejection sampling, the
     confidences [R, steps] the rule saw, each row's limit min(k, remaining - 1, cap) and cap, the
     steps run and how many of them ran the draft model (the first `model_steps`; the others were
-    lookup steps, see draft_round)."""
+    lookup steps, see draft_round), and the round's floor (fast.proposals: the run's, or the
+    threshold where the controller switched it off)."""
 
     drafted: torch.Tensor
     q: torch.Tensor | None
@@ -154,6 +160,7 @@ class Proposals:
     steps: int
     model_steps: int
     lookup_rows: np.ndarray  # rows that drafted by prompt lookup alone
+    floor: float = 0.0
 
     @property
     def width(self) -> int:
@@ -182,6 +189,8 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
                          if settings.controller else (np.asarray(clamp), np.asarray(clamp)))
     limit = np.minimum(clamp, caps)
     rows = len(clamp)
+    floor = (settings.controller.round_floor(rows, settings.proposal_floor, settings.threshold)
+             if settings.controller else settings.proposal_floor)
     steps, dists, confidences = [], [], []
     active, proposed = limit > 0, np.zeros(rows, dtype=np.int64)
     ids, lookup_rows, model_steps = None, np.zeros(rows, dtype=bool), 0
@@ -210,16 +219,19 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         dists.append(dist)
         confidences.append(confidence)
         active &= step < limit
-        if settings.threshold > 0:  # one small host copy per step: which rows keep proposing
-            active &= (confidence >= settings.threshold).cpu().numpy()
-        proposed += active
+        if settings.threshold > 0:  # one small host copy per step: which rows propose, and which go on
+            host = confidence.double().cpu().numpy()  # compared as the checker (I7) compares
+            proposed += active & (host >= floor)
+            active &= host >= settings.threshold
+        else:
+            proposed += active
         if not active.any():
             break
     drafted = torch.cat(steps, dim=1) if steps else torch.zeros(rows, 0, dtype=torch.long, device=device)
     q = torch.stack(dists, dim=1) if steps and settings.chooser.needs_q else None
     confidence = torch.stack(confidences, dim=1) if steps else None
     return Proposals(drafted, q, confidence, proposed, limit, np.asarray(caps), len(steps), model_steps,
-                     lookup_rows)
+                     lookup_rows, floor)
 
 
 def record_round(settings: Settings, clock, requests, proposals: Proposals, accepted, verify_tokens: int) -> None:
@@ -237,7 +249,8 @@ def check_proposals(settings: Settings, proposals: Proposals) -> list:
     from ..invariants import check_proposal_lengths
     confidence = (proposals.confidence.float().cpu().numpy() if proposals.confidence is not None
                   else np.zeros((len(proposals.limit), 0)))
-    return check_proposal_lengths(proposals.proposed, confidence, proposals.limit, settings.threshold)
+    return check_proposal_lengths(proposals.proposed, confidence, proposals.limit, settings.threshold,
+                                  proposals.floor)
 
 
 def check_rect_forward(pad_len: torch.Tensor, first_col: int, position_ids, mask, window) -> list:
@@ -310,7 +323,7 @@ def observe_round(settings: Settings, found: list, round_index: int, rows: dict,
             pad_len=int(rows["pad_len"][i]), content_len=int(rows["content_len"][i]),
             positions=[int(x) for x in queries[i][0]], mask=mask_strings(queries[i][1]),
             drafted=drafted[i, :p[i]].tolist(), target_argmax=host_choice[i, :p[i] + 1].tolist(),
-            draft_limit=int(p[i]), cap=int(proposals.caps[i]), limit=int(proposals.limit[i]),
+            draft_limit=int(p[i]), cap=int(proposals.caps[i]), limit=int(proposals.limit[i]), floor=proposals.floor,
             draft_confidence=[float(c) for c in confidence[i]], accepted=int(accepted[i]),
             committed=list(committed[i]), finished=bool(finished[i])) for i in range(len(p))])
 

@@ -115,20 +115,25 @@ def check_kv(keys, slot_index, valid_len, recompute: Callable[[int], np.ndarray]
     return out
 
 
-def check_proposal_lengths(proposed, confidence, limit, threshold: float) -> list[Violation]:
+def check_proposal_lengths(proposed, confidence, limit, threshold: float, floor: float | None = None
+                           ) -> list[Violation]:
     """I7: row i proposed exactly as many drafts as the proposal rule gives from its own confidences
     at each draft step [R, S] and its limit min(k, remaining - 1, cap): the leading steps with
-    confidence >= threshold, at most limit (fast.proposals). A length that follows a neighbour's
+    confidence >= threshold, then the step that stopped it if its confidence is >= floor (None:
+    floor = threshold), at most limit (fast.proposals). A length that follows a neighbour's
     confidences, or the round's longest proposal, breaks it."""
     proposed, limit = as_numpy(proposed).astype(int), as_numpy(limit).astype(int)
     confidence = as_numpy(confidence).astype(float).reshape(len(proposed), -1)
     out = []
     for i in range(len(proposed)):
         want = 0
-        while want < min(limit[i], confidence.shape[1]) and confidence[i, want] >= threshold:
+        steps = min(limit[i], confidence.shape[1])
+        while want < steps and confidence[i, want] >= threshold:
             want += 1
+        if want < steps and floor is not None and confidence[i, want] >= floor:
+            want += 1  # the step below the threshold still proposes its token
         if proposed[i] != want:
-            out.append(Violation("I7", "proposal length is not the rule's (own confidences, limit, threshold)",
+            out.append(Violation("I7", "proposal length is not the rule's (own confidences, limit, threshold, floor)",
                                  row=i, index=want, expected=want, actual=int(proposed[i])))
     return out
 

@@ -4,7 +4,8 @@ A trace is JSONL:
 
 1. header: {"trace": "specbatch", "version": 2, "layout": "rectangular" | "ragged",
    "strategy": str, "eos_token_ids": [int], "max_new_tokens": int or [int] (one per request),
-   "num_requests": int, "window": int | null, "num_draft_tokens": k, "draft_threshold": float}
+   "num_requests": int, "window": int | null, "num_draft_tokens": k, "draft_threshold": float,
+   "draft_floor": float (optional; absent: equal to draft_threshold)}
 2. one line per round: {"round": r, "rows": [row, ...]} with, per row of the verify forward:
    request (id), prompt_len,
    tokens (the row as laid out: pads included for rectangular, the content for ragged), pad_len
@@ -12,7 +13,9 @@ A trace is JSONL:
    queries, p + 1 of them), mask (one string of '0'/'1' per such query over the KV slots), drafted
    (the row's p proposals), target_argmax (p + 1 ints), draft_limit (p, the row's proposal length),
    cap (the row's cap this round: k, or lower from the cost controller), limit (min(k,
-   remaining - 1, cap)), draft_confidence (the draft's confidence at each step run),
+   remaining - 1, cap)), floor (optional, the round's floor: the header's draft_floor, or up to
+   draft_threshold where a cost controller switched it off), draft_confidence (the draft's
+   confidence at each step run),
    accepted, committed (the tokens committed this round), finished (bool).
 3. last line: {"results": [{"request": id, "tokens": [int], "stop_reason": "eos" | "length"}]}
 
@@ -44,14 +47,15 @@ class TraceWriter:
 
     def __init__(self, path, *, layout: str, strategy: str, eos_token_ids, max_new_tokens,
                  num_requests: int, window: int | None = None, num_draft_tokens: int = 0,
-                 draft_threshold: float = 0.0):
+                 draft_threshold: float = 0.0, draft_floor: float | None = None):
         self.file = open(path, "w")
         budgets = ([int(m) for m in max_new_tokens] if isinstance(max_new_tokens, (list, tuple))
                    else int(max_new_tokens))
         self._write({"trace": "specbatch", "version": TRACE_VERSION, "layout": layout, "strategy": strategy,
                      "eos_token_ids": [int(e) for e in eos_token_ids], "max_new_tokens": budgets,
                      "num_requests": int(num_requests), "window": window, "num_draft_tokens": int(num_draft_tokens),
-                     "draft_threshold": float(draft_threshold)})
+                     "draft_threshold": float(draft_threshold),
+                     "draft_floor": float(draft_threshold if draft_floor is None else draft_floor)})
 
     def _write(self, obj) -> None:
         self.file.write(json.dumps(obj) + "\n")
@@ -171,6 +175,8 @@ def validate_schema(path, header: dict, rounds: list, results: dict | None) -> N
     v2 = header["version"] >= 2
     if v2:
         _require(header, HEADER_FIELDS_V2, f"{path}: header")
+        if "draft_floor" in header and not _number(header["draft_floor"]):
+            raise TraceError(f"{path}: header: field 'draft_floor' must be a number, got {header['draft_floor']!r}")
     if isinstance(header["max_new_tokens"], list) and len(header["max_new_tokens"]) != header["num_requests"]:
         raise TraceError(f"{path}: header: field 'max_new_tokens' has {len(header['max_new_tokens'])} entries for "
                          f"{header['num_requests']} requests")
@@ -182,6 +188,8 @@ def validate_schema(path, header: dict, rounds: list, results: dict | None) -> N
             raise TraceError(f"{where}: field 'rows' must be a list of rows")
         for i, row in enumerate(rnd["rows"]):
             _require_object(row, {**ROW_FIELDS, **(ROW_FIELDS_V2 if v2 else {})}, f"{where}, row {i}")
+            if "floor" in row and not _number(row["floor"]):
+                raise TraceError(f"{where}, row {i}: field 'floor' must be a number, got {row['floor']!r}")
             if not 0 <= row["request"] < header["num_requests"]:
                 raise TraceError(f"{where}, row {i}: field 'request' is {row['request']}, not a request of the "
                                  f"header's {header['num_requests']}")
@@ -219,8 +227,14 @@ def _check_row(header: dict, row: dict) -> list[Violation]:
         if int(row["limit"]) != max(limit, 0):
             out.append(Violation("I7", "the row's limit is not min(k, remaining - 1, cap)", expected=max(limit, 0),
                                  actual=int(row["limit"])))
-        out += check_proposal_lengths([row["draft_limit"]], [row["draft_confidence"]], [max(limit, 0)],
-                                      float(header.get("draft_threshold", 0.0)))
+        threshold = float(header.get("draft_threshold", 0.0))
+        run_floor = float(header.get("draft_floor", threshold))
+        floor = float(row.get("floor", run_floor))
+        if not min(run_floor, threshold) <= floor <= max(run_floor, threshold):
+            out.append(Violation("I7", "the row's floor is not between the run's draft_floor and draft_threshold",
+                                 expected=f"[{run_floor}, {threshold}]", actual=floor))
+        out += check_proposal_lengths([row["draft_limit"]], [row["draft_confidence"]], [max(limit, 0)], threshold,
+                                      floor)
         if len(row["drafted"]) != int(row["draft_limit"]) or len(row["positions"]) != int(row["draft_limit"]) + 1:
             out.append(Violation("I7", "the row's drafts or verify queries are not its proposal length",
                                  expected=int(row["draft_limit"]), actual=len(row["drafted"])))

@@ -31,13 +31,15 @@ class Options:
     window: int | None = None  # sliding attention window, applied by position in the mask
     check: bool = False
     threshold: float = 0.0  # a row stops proposing when its draft confidence is below it (I7)
+    floor: float | None = None  # ... proposing the step it stops at if its confidence is >= floor (None: never)
     caps: list | None = None  # the cap of each round in order (a fast engine's trace), default k
 
 
-def draft_rows(draft, limit, threshold, step_fn):
+def draft_rows(draft, limit, threshold, step_fn, floor=None):
     """Draft step by step (step_fn(step) -> the draft's last-query logits [B, V], fed by the caller
     with the previous proposals) and apply the proposal rule: returns (drafted [B, steps run],
-    confidence [B, steps run], proposed [B]). Drafting stops once no row proposes."""
+    confidence [B, steps run], proposed [B]). Drafting stops once no row goes on (every row has
+    reached its limit or a step below the threshold)."""
     batch = len(limit)
     drafted, confidence = np.zeros((batch, 0), dtype=np.int64), np.zeros((batch, 0))
     active = np.asarray(limit) > 0
@@ -49,7 +51,7 @@ def draft_rows(draft, limit, threshold, step_fn):
         active &= (step < np.asarray(limit)) & (confidence[:, -1] >= threshold)
         if not active.any():
             break
-    return drafted, confidence, proposal_lengths(confidence, limit, threshold)
+    return drafted, confidence, proposal_lengths(confidence, limit, threshold, floor)
 
 
 @dataclass
@@ -175,7 +177,7 @@ def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: 
             if opt.check:
                 found.extend(check_rect_forward(state, cols, seen, opt.window))
             return logits[:, -1]
-        drafted, confidence, proposed = draft_rows(draft, limit, opt.threshold, step_fn)
+        drafted, confidence, proposed = draft_rows(draft, limit, opt.threshold, step_fn, opt.floor)
         past_d = past[0]
     k_round = drafted.shape[1]  # draft steps run
     width_q = int(proposed.max(initial=0))  # the longest proposal: shorter rows never accept the rest
@@ -283,7 +285,7 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
                 found.extend(check_positions(seen["positions"], seen["query_index"]))
                 found.extend(check_mask(seen["allowed"], seen["query_index"], seen["slot_index"], opt.window))
             return logits[:, -1]
-        drafted, confidence, proposed = draft_rows(draft, limit, opt.threshold, step_fn)
+        drafted, confidence, proposed = draft_rows(draft, limit, opt.threshold, step_fn, opt.floor)
     k_round = drafted.shape[1]  # draft steps run
     width_q = int(proposed.max(initial=0))
 
@@ -359,17 +361,18 @@ def _new_rows(prompts, max_new, requests, target, draft, opt):
 def generate(target, draft, prompts, *, max_new_tokens, k: int = DEFAULTS["num_draft_tokens"], eos_ids=(),
              strategy: str = DEFAULTS["strategy"], batch_size: int = DEFAULTS["batch_size"], pad_id: int = 0, window: int | None = None, pool_window: int | None = None,
              max_wait: int = DEFAULTS["max_wait"], arrival=None, check: bool = False, trace=None, threshold: float = 0.0,
-             caps=None) -> ReferenceResult:
+             floor: float | None = None, caps=None) -> ReferenceResult:
     """Reference batch speculative decoding; `draft=None` is target-only decoding.
 
     max_new_tokens: int or one per prompt. arrival: the order requests are submitted (default:
     input order); results always come back in input order (S2). threshold: the proposal rule's
-    confidence threshold (I7; 0: every row proposes its whole limit); caps: each round's cap on
+    confidence threshold (I7; 0: every row proposes its whole limit); floor: the step that stops a row
+    proposes its token too when its confidence is >= floor (None: never); caps: each round's cap on
     proposal lengths (default k every round)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     opt = Options(k=k if draft is not None else 0, eos_ids=tuple(eos_ids), pad_id=pad_id, window=window, check=check,
-                  threshold=threshold, caps=caps)
+                  threshold=threshold, floor=floor, caps=caps)
     count = len(prompts)
     max_new = [max_new_tokens] * count if np.isscalar(max_new_tokens) else list(max_new_tokens)
     order = list(range(count)) if arrival is None else list(arrival)
@@ -380,7 +383,8 @@ def generate(target, draft, prompts, *, max_new_tokens, k: int = DEFAULTS["num_d
     if trace is not None:
         writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy,
                              eos_token_ids=opt.eos_ids, max_new_tokens=max_new, num_requests=count,
-                             window=window, num_draft_tokens=opt.k, draft_threshold=threshold)
+                             window=window, num_draft_tokens=opt.k, draft_threshold=threshold,
+                             draft_floor=threshold if floor is None else floor)
 
     def account(accepted, n, proposed, trace_rows):
         stats["rounds"] += 1

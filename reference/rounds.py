@@ -14,13 +14,18 @@ import numpy as np
 from .state import RaggedState, RectState
 
 
-def proposal_lengths(confidence: np.ndarray, limit: np.ndarray, threshold: float) -> np.ndarray:
-    """How many drafts each row proposes (I7): the leading draft steps whose confidence (the
-    probability of the draft distribution's most likely token) is >= threshold, at most limit[i]
-    = min(k, remaining - 1, the round's cap). confidence: [rows, steps run]."""
+def proposal_lengths(confidence: np.ndarray, limit: np.ndarray, threshold: float, floor: float | None = None
+                     ) -> np.ndarray:
+    """How many drafts each row proposes (I7), at most limit[i] = min(k, remaining - 1, the round's
+    cap): the leading draft steps whose confidence (the probability of the draft distribution's most
+    likely token) is >= threshold, and the step that stops the row too if its confidence is >= floor
+    (floor <= threshold; None: floor = threshold, the stopping step never proposes).
+    confidence: [rows, steps run]."""
+    floor = threshold if floor is None else floor
     confidence = np.asarray(confidence, dtype=float).reshape(len(limit), -1)
     allowed = np.arange(confidence.shape[1])[None, :] < np.asarray(limit)[:, None]
-    return np.cumprod((confidence >= threshold) & allowed, axis=1).sum(axis=1).astype(np.int64)
+    earlier_passed = np.cumprod(np.pad(confidence >= threshold, ((0, 0), (1, 0)), constant_values=True), axis=1)[:, :-1]
+    return np.cumprod(earlier_passed & (confidence >= floor) & allowed, axis=1).sum(axis=1).astype(np.int64)
 
 
 def softmax_max(logits: np.ndarray) -> np.ndarray:

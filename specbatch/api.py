@@ -56,8 +56,8 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
              on_result=None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed=DEFAULTS["seed"],
              sampling: str = "rejection", arrivals=None, request_ids=None, prepack: bool = True,
-             compile: bool = False, draft_threshold: float | None = None, adaptive: bool | None = None
-             ) -> GenerationResult:
+             compile: bool = False, draft_threshold: float | None = None, draft_floor: float | None = None,
+             adaptive: bool | None = None) -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
     Greedy output equals target-only greedy decoding token for token (proofs_notes/).
@@ -84,7 +84,9 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     a second copy of those weights is kept beside the modules); False: transformers' own layers.
     num_draft_tokens: k, the most tokens a row proposes in a round. How many it does propose is
     decided per row (fast.proposals): it stops when the draft's confidence (probability of its most
-    likely next token) falls below draft_threshold (default 0.7; 0: never), and adaptive=True lets a
+    likely next token) falls below draft_threshold (default 0.7; 0: never), proposing the token it
+    stops at if its confidence is at least draft_floor (default 0.2, or draft_threshold if that is
+    lower; draft_floor=draft_threshold: never), and adaptive=True lets a
     cost-aware controller cap each row's proposals from measured step costs and the row's history
     (all caps 0 make a plain target step). adaptive=None: on, except for rejection sampling (where a
     cap that depends on batch and timing would make seeded outputs depend on them). Fixed k:
@@ -114,8 +116,8 @@ def _generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int, 
               max_wait: int = DEFAULTS["max_wait"], on_result=None, temperature: float = 0.0,
               top_k: int | None = None, top_p: float | None = None, seed=DEFAULTS["seed"],
               sampling: str = "rejection", arrivals=None, request_ids=None, prepack: bool = True,
-              compile: bool = False, draft_threshold: float | None = None, adaptive: bool | None = None
-              ) -> GenerationResult:
+              compile: bool = False, draft_threshold: float | None = None, draft_floor: float | None = None,
+              adaptive: bool | None = None) -> GenerationResult:
     check_temperature(temperature)
     if sampling not in ("rejection", "coupled"):
         raise ValueError(f"unknown sampling mode {sampling!r}; expected 'rejection' or 'coupled'")
@@ -125,6 +127,12 @@ def _generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int, 
         check_top_p(top_p)
     if draft_threshold is not None:
         check_probability("draft_threshold", draft_threshold)
+    if draft_floor is not None:
+        check_probability("draft_floor", draft_floor)
+        limit = DEFAULTS["draft_threshold"] if draft_threshold is None else draft_threshold
+        if draft_floor > limit:
+            raise OptionError(f"draft_floor must be <= draft_threshold ({limit:g}): it says whether the step that "
+                              f"stops a row still proposes; got {draft_floor!r}")
     if not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a non-empty list of token-id lists (or strings with tokenizer=)")
     check_seed(seed, len(prompts))
@@ -182,17 +190,18 @@ def _generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int, 
     stats = Stats()
     writer = None
     threshold = float(DEFAULTS["draft_threshold"] if draft_threshold is None else draft_threshold) if k else 0.0
+    floor = min(float(DEFAULTS["draft_floor"]), threshold) if draft_floor is None else float(draft_floor)
     if adaptive is None:
         adaptive = not (temperature and sampling == "rejection")
     if trace is not None:
         writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy,
                              eos_token_ids=eos_ids, max_new_tokens=max_new, num_requests=len(ids), window=window,
-                             num_draft_tokens=k, draft_threshold=threshold)
+                             num_draft_tokens=k, draft_threshold=threshold, draft_floor=floor)
     settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
                         pad_id=int(pad_id), check=check_invariants, trace=writer,
                         chooser=make_chooser(temperature, top_k, top_p, seed, sampling, len(ids), device,
                                              request_ids),
-                        threshold=threshold, controller=DraftController(k, bool(adaptive)) if k else None)
+                        threshold=threshold, floor=floor, controller=DraftController(k, bool(adaptive)) if k else None)
     target_runner = ModelRunner(target)
     draft_runner = ModelRunner(draft) if draft is not None else None
     results: dict = {}

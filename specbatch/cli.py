@@ -264,6 +264,9 @@ def add_proposal_args(p):
     p.add_argument("--draft-threshold", type=probability, default=None,
                    help="a row stops drafting when the draft's confidence (probability of its most likely next "
                         "token) falls below this (default 0.7; 0: never)")
+    p.add_argument("--draft-floor", type=probability, default=None,
+                   help="the step that stops a row still proposes its token if the draft's confidence there is at "
+                        "least this (default 0.2, at most the threshold; equal to --draft-threshold: never)")
     p.add_argument("--fixed-k", action="store_true", help="every row drafts --num-draft-tokens every round (no "
                    "confidence threshold, no cost-aware controller)")
 

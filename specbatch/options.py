@@ -17,6 +17,7 @@ DEFAULTS = dict(
     batch_size=8,
     max_new_tokens=128,
     draft_threshold=0.7,  # a row stops proposing below this draft confidence (docs/draft_eval: calibration)
+    draft_floor=0.2,  # ... but still proposes the token it stopped at if its confidence is at least this
     max_wait=4,  # exspec: rounds a row may wait for a same-length group
     seed=0,
 )

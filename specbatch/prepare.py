@@ -55,11 +55,12 @@ def engine_options(args) -> dict:
 
 
 def proposal_options(args) -> dict:
-    """How far rows draft: --draft-threshold (default 0.7) and --fixed-k (no threshold, no controller)."""
+    """How far rows draft: --draft-threshold (default 0.7), --draft-floor (default 0.2) and --fixed-k
+    (no threshold, no controller)."""
     if getattr(args, "fixed_k", False):
         return dict(draft_threshold=0.0, adaptive=False)
-    threshold = getattr(args, "draft_threshold", None)
-    return {} if threshold is None else dict(draft_threshold=threshold)
+    given = dict(draft_threshold=getattr(args, "draft_threshold", None), draft_floor=getattr(args, "draft_floor", None))
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def run_generate(target, draft, ids, args, **extra):

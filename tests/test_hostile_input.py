@@ -135,6 +135,8 @@ def test_a_run_killed_mid_way_resumes_to_the_same_bytes(folders, prompt_file, tm
     (["--seed", str(2**70)], "seed must be an integer in [0, 9223372036854775807]"),
     (["--seed", "-1"], "seed must be an integer"),
     (["--draft-threshold", "nan"], "probability"),
+    (["--draft-floor", "1.5"], "probability"),
+    (["--draft-threshold", "0.5", "--draft-floor", "0.6"], "draft_floor must be <= draft_threshold (0.5)"),
 ])
 def test_numbers_out_of_range_are_named(folders, prompt_file, capsys, extra, message):
     assert one_line_exit_2(capsys, gen_args(folders, prompt_file, *extra), message)
@@ -161,6 +163,8 @@ def test_the_api_gives_the_same_verdicts():
         (dict(eos_token_id=[2.0]), "eos_token_id must be an integer token id"),
         (dict(pad_token_id=-5), "pad_token_id must be an integer token id in [0, 96)"),
         (dict(pad_token_id=VOCAB), "pad_token_id must be an integer token id"),
+        (dict(draft_floor=0.8), "draft_floor must be <= draft_threshold (0.7)"),
+        (dict(draft_floor=-0.1), "draft_floor must be a finite number in [0.0, 1.0]"),
     ]
     for kwargs, message in bad:
         with pytest.raises(OptionError) as caught:

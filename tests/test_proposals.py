@@ -27,18 +27,37 @@ PROMPTS[1][2] = EOS  # the pad id (== EOS) inside a prompt
 
 
 @given(st.lists(st.lists(st.floats(0, 1), min_size=4, max_size=4), min_size=1, max_size=6),
-       st.lists(st.integers(0, 4), min_size=6, max_size=6), st.floats(0, 1))
-def test_the_rule_three_ways(confidence, limits, threshold):
-    """fast.proposals, reference.rounds and the checker state the same rule."""
+       st.lists(st.integers(0, 4), min_size=6, max_size=6), st.floats(0, 1), st.floats(0, 1) | st.none())
+def test_the_rule_three_ways(confidence, limits, threshold, floor_share):
+    """fast.proposals, reference.rounds and the checker state the same rule: the leading steps at or
+    above the threshold, then the step that stops the row if it is at or above the floor."""
     confidence = np.array(confidence)
     limit = np.array(limits[:len(confidence)])
-    fast = proposal_lengths(confidence, limit, threshold)
-    assert (fast == reference_rounds.proposal_lengths(confidence, limit, threshold)).all()
-    assert check_proposal_lengths(fast, confidence, limit, threshold) == []
+    floor = None if floor_share is None else threshold * floor_share
+    fast = proposal_lengths(confidence, limit, threshold, floor)
+    assert (fast == reference_rounds.proposal_lengths(confidence, limit, threshold, floor)).all()
+    assert check_proposal_lengths(fast, confidence, limit, threshold, floor) == []
+    lowest = threshold if floor is None else floor
     for i in range(len(limit)):
         p = int(fast[i])
-        assert p <= limit[i] and all(confidence[i, :p] >= threshold)
-        assert p == limit[i] or confidence[i, p] < threshold
+        assert p <= limit[i] and all(confidence[i, :max(p - 1, 0)] >= threshold)
+        assert p == 0 or confidence[i, p - 1] >= lowest
+        stopped = p > 0 and confidence[i, p - 1] < threshold
+        assert p == limit[i] or stopped or confidence[i, p] < lowest
+        if p < limit[i] and not stopped:  # the step that stopped the row was below the floor as well
+            assert confidence[i, p] < lowest
+
+
+def test_the_floor_proposes_the_step_that_stops_a_row():
+    confidence = np.array([[0.9, 0.5, 0.9], [0.9, 0.1, 0.9], [0.3, 0.9, 0.9], [0.9, 0.9, 0.9]])
+    limit = np.array([3, 3, 3, 2])
+    assert list(proposal_lengths(confidence, limit, 0.7)) == [1, 1, 0, 2]
+    assert list(proposal_lengths(confidence, limit, 0.7, 0.2)) == [2, 1, 1, 2]
+    assert list(reference_rounds.proposal_lengths(confidence, limit, 0.7, 0.2)) == [2, 1, 1, 2]
+    assert check_proposal_lengths([2, 1, 1, 2], confidence, limit, 0.7, 0.2) == []
+    # the floor's token ends the row: nothing after it is proposed, however confident
+    assert [v.row for v in check_proposal_lengths([3, 1, 1, 2], confidence, limit, 0.7, 0.2)] == [0]
+    assert [v.row for v in check_proposal_lengths([1, 1, 1, 2], confidence, limit, 0.7, 0.2)] == [0]
 
 
 def test_a_length_that_follows_a_neighbour_breaks_the_rule():
@@ -274,26 +293,81 @@ def test_draft_steps_run_as_far_as_their_measured_yield_pays():
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @given(deviations=st.sets(st.integers(1, 90), max_size=30), k=st.integers(1, 6), batch=st.integers(1, 6),
-       threshold=st.floats(0.05, 0.95), seed=st.integers(0, 20),
+       threshold=st.floats(0.05, 0.95), floor_share=st.floats(0, 1), seed=st.integers(0, 20),
        budgets=st.lists(st.integers(1, 12), min_size=6, max_size=6))
-def test_fuzzed_confidences_every_strategy(tmp_path_factory, strategy, deviations, k, batch, threshold, seed,
-                                          budgets):
+def test_fuzzed_confidences_every_strategy(tmp_path_factory, strategy, deviations, k, batch, threshold, floor_share,
+                                          seed, budgets):
     """Scripted deviations and confidences: exact output, invariants (I7 included) every round, and
     every traced row's proposal length equal to the reference rule on its own confidences."""
+    floor = threshold * floor_share
     target = tiny("llama")
     want = [s[:b] for s, b in zip(oracle(target, PROMPTS, 12, [EOS]), budgets)]
     draft = ScriptedDraft(target, deviate_at(deviations), confidence=confidence_hashed(seed))
     path = tmp_path_factory.mktemp("trace") / "t.jsonl"
     result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=budgets, num_draft_tokens=k,
-                                batch_size=batch, strategy=strategy, draft_threshold=threshold, adaptive=False,
-                                check_invariants=True, trace=path)
+                                batch_size=batch, strategy=strategy, draft_threshold=threshold,
+                                draft_floor=floor, adaptive=False, check_invariants=True, trace=path)
     assert result.sequences == want
     assert check_trace(path) == []
     lines = [json.loads(x) for x in open(path)]
     for rnd in (x for x in lines if "round" in x):
         for row in rnd["rows"]:
-            rule = reference_rounds.proposal_lengths([row["draft_confidence"]], [row["limit"]], threshold)
+            rule = reference_rounds.proposal_lengths([row["draft_confidence"]], [row["limit"]], threshold, floor)
             assert row["draft_limit"] == int(rule[0]) == len(row["drafted"])
+
+
+def test_by_default_the_step_that_stops_a_row_proposes_above_the_floor(tmp_path):
+    """draft_floor defaults to 0.2: traced rows propose the step that stopped them when its
+    confidence is in [0.2, threshold), and not below 0.2."""
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(1, 0.1), confidence=confidence_hashed(5))
+    path = tmp_path / "t.jsonl"
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=4, batch_size=3,
+                                draft_threshold=0.5, adaptive=False, trace=path)
+    assert result.sequences == oracle(target, PROMPTS, 12, [EOS])
+    header, *lines = [json.loads(x) for x in open(path)]
+    assert header["draft_floor"] == 0.2
+    assert check_trace(path) == []
+    last = [(row["draft_confidence"][row["draft_limit"] - 1]) for rnd in lines if "round" in rnd
+            for row in rnd["rows"] if row["draft_limit"]]
+    assert any(0.2 <= c < 0.5 for c in last) and all(c >= 0.2 for c in last)
+    rows = [row for rnd in lines if "round" in rnd for row in rnd["rows"]]
+    stopped = [row["draft_confidence"][row["draft_limit"]] for row in rows  # short of its limit, last proposal
+               if row["draft_limit"] < min(row["limit"], len(row["draft_confidence"]))  # above the threshold
+               and (row["draft_limit"] == 0 or row["draft_confidence"][row["draft_limit"] - 1] >= 0.5)]
+    assert stopped and all(c < 0.2 for c in stopped)  # then the step that stopped it was below the floor
+
+
+@pytest.mark.parametrize("batch, floor", [(1, 0.2), (2, 0.2), (3, 0.5), (6, 0.5)])
+def test_the_controller_keeps_the_floor_below_three_rows(tmp_path, batch, floor):
+    """Adaptive runs: rounds of FLOOR_BELOW_ROWS rows or more propose nothing below the threshold
+    (the traced floor is the threshold there, and check_trace holds every row to it)."""
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(1, 0.1), confidence=confidence_hashed(5))
+    path = tmp_path / "t.jsonl"
+    prompts = PROMPTS[:batch]
+    result = specbatch.generate(target, draft, prompts, max_new_tokens=8, num_draft_tokens=4, batch_size=batch,
+                                draft_threshold=0.5, trace=path)
+    assert result.sequences == oracle(target, prompts, 8, [EOS])
+    assert check_trace(path) == []
+    rows = [(len(rnd["rows"]), row) for rnd in map(json.loads, open(path)) if "round" in rnd for row in rnd["rows"]]
+    assert {row["floor"] for n, row in rows if n == batch} == {floor}
+    if floor == 0.5:
+        assert all(row["draft_confidence"][p - 1] >= 0.5 for n, row in rows if n >= 3 and (p := row["draft_limit"]))
+
+
+def test_the_checker_holds_a_row_to_a_floor_within_the_run_s(tmp_path):
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(1, 0.1), confidence=confidence_hashed(5))
+    path = tmp_path / "t.jsonl"
+    specbatch.generate(target, draft, PROMPTS[:2], max_new_tokens=8, num_draft_tokens=4, batch_size=2,
+                       draft_threshold=0.5, trace=path)
+    lines = open(path).read().splitlines()
+    header = json.loads(lines[0])
+    header["draft_floor"] = 0.3  # the rows say 0.2: below the run's floor
+    (tmp_path / "low.jsonl").write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
+    assert {v.message for v in check_trace(tmp_path / "low.jsonl")} >= {
+        "the row's floor is not between the run's draft_floor and draft_threshold"}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -393,3 +467,7 @@ def test_reference_with_scripted_confidences_equals_greedy(strategy):
     fixed = reference_generate(target, draft, prompts, max_new_tokens=10, k=4, eos_ids=(EOS,), strategy=strategy,
                                batch_size=3)
     assert fixed.sequences == want and result.stats["drafted_tokens"] < fixed.stats["drafted_tokens"]
+    floored = reference_generate(target, draft, prompts, max_new_tokens=10, k=4, eos_ids=(EOS,), strategy=strategy,
+                                 batch_size=3, check=True, threshold=0.5, floor=0.2)
+    assert floored.sequences == want
+    assert result.stats["drafted_tokens"] < floored.stats["drafted_tokens"] < fixed.stats["drafted_tokens"]

@@ -202,18 +202,22 @@ def test_chi_square_rejects_broken_samplers(monkeypatch, mutant):
 
 
 # The imposed draft's most likely token has probability 0.5 to 0.8 depending on the context, so a
-# threshold of 0.65 makes rows stop drafting at different steps (proofs_notes/proposals.md: the
-# proposal length is a function of the context, not of the token drawn, so no bias).
-THRESHOLD = 0.65
+# threshold of 0.65 makes rows stop drafting at different steps, and a floor of 0.55 proposes the
+# stopping step's token in some contexts (0.6) and not in others (0.5) (proofs_notes/proposals.md:
+# the proposal length is a function of the context, not of the token drawn, so no bias).
+THRESHOLD, FLOOR = 0.65, 0.55
 
 
 @pytest.mark.parametrize("strategy", ["eqspec", "ragged"])
 def test_a_confidence_threshold_keeps_the_target_distribution(strategy):
-    counts, result = sample_joint(strategy, draft_threshold=THRESHOLD)
     _, every_step = sample_joint(strategy, draft_threshold=0.0)
-    drafted, all_drafted = result.stats["drafted_tokens"], every_step.stats["drafted_tokens"]
-    assert 0.2 * all_drafted < drafted < 0.8 * all_drafted  # rows stop at different steps
-    assert chi_square(counts, expected_joint()) < CHI2_CRITICAL_DF26_ALPHA_0001
+    drafted = []
+    for floor in (THRESHOLD, FLOOR):
+        counts, result = sample_joint(strategy, draft_threshold=THRESHOLD, draft_floor=floor)
+        drafted.append(result.stats["drafted_tokens"])
+        assert chi_square(counts, expected_joint()) < CHI2_CRITICAL_DF26_ALPHA_0001
+    all_drafted = every_step.stats["drafted_tokens"]
+    assert 0.2 * all_drafted < drafted[0] < drafted[1] < 0.9 * all_drafted  # rows stop at different steps
 
 
 def test_chi_square_rejects_a_threshold_on_the_drawn_token(monkeypatch):
@@ -225,7 +229,7 @@ def test_chi_square_rejects_a_threshold_on_the_drawn_token(monkeypatch):
         token = sampling.sample_from(q, u)
         return token, q, q.gather(-1, token[:, None])[:, 0]
     monkeypatch.setattr(sampling.Rejection, "draft", draft)
-    counts, _ = sample_joint(draft_threshold=THRESHOLD)
+    counts, _ = sample_joint(draft_threshold=THRESHOLD, draft_floor=THRESHOLD)
     assert chi_square(counts, expected_joint()) > CHI2_CRITICAL_DF26_ALPHA_0001
 
 

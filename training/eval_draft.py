@@ -28,13 +28,14 @@ from pathlib import Path
 
 
 
-def replay_tau(draft, ids, answers, categories, k: int, threshold: float = 0.0) -> tuple[float, dict]:
-    """τ overall and per category from draft-only replays of the known greedy answers (threshold:
-    the proposal rule's, without the cost controller)."""
+def replay_tau(draft, ids, answers, categories, k: int, threshold: float = 0.0, floor: float | None = None
+               ) -> tuple[float, dict]:
+    """τ overall and per category from draft-only replays of the known greedy answers (threshold and
+    floor: the proposal rule's, without the cost controller)."""
     from specbatch.fast.acceptance import simulate_rounds
     tokens, rounds = {}, {}
     for prompt, answer, category in zip(ids, answers, categories):
-        n, r = simulate_rounds(draft, prompt, answer, k, threshold)
+        n, r = simulate_rounds(draft, prompt, answer, k, threshold, floor)
         tokens[category] = tokens.get(category, 0) + n
         rounds[category] = rounds.get(category, 0) + r
     return sum(tokens.values()) / max(sum(rounds.values()), 1), {c: tokens[c] / max(rounds[c], 1) for c in tokens}
@@ -86,6 +87,9 @@ def main(argv=None):
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--draft-threshold", type=float, default=0.0,
                         help="replay with the proposal rule's confidence threshold (0: every row drafts k)")
+    parser.add_argument("--draft-floor", type=float, default=None,
+                        help="replay with the proposal rule's floor (default: the threshold: the step below it "
+                        "never proposes)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--strategy", default="ragged")
     parser.add_argument("--out", default="draft_eval.json")
@@ -127,7 +131,7 @@ def main(argv=None):
     rows = []
     for name in args.drafts:
         draft, _ = load_draft(name, target)
-        tau, per_category = replay_tau(draft, ids, answers, categories, k, args.draft_threshold)
+        tau, per_category = replay_tau(draft, ids, answers, categories, k, args.draft_threshold, args.draft_floor)
         rows.append(dict(draft=name, tau=tau, tau_by_category=per_category))
         print(json.dumps(dict(draft=name, replayed_tau=round(tau, 3))), flush=True)
         if name in args.run:
