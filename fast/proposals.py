@@ -10,7 +10,9 @@ where confidence_ij is the probability of the most likely token of the row's (pr
 distribution at step j: a function of the row's own visible content and the draft, never of the
 token drawn and never of another row. The threshold decides whether a row goes on drafting; the
 floor (<= threshold) whether the step that stops it still proposes its token: that token is already
-computed, and at batch 1 its verify costs ~1 ms of a ~45 ms round (floor = threshold: never). A row that proposes nothing gets exactly one target token;
+computed, and at batch 1 its verify costs ~1 ms of a ~45 ms round (floor = threshold: never; the
+controller raises the round's floor to the threshold from FLOOR_BELOW_ROWS rows up, where a verify
+token costs more). A row that proposes nothing gets exactly one target token;
 a round in which no row proposes is a plain target step; the verify covers each row's own
 proposals only (a flat forward in the ragged layout; in rectangular layouts the longer rows' width,
 whose extra columns the shorter rows never accept: their limit is their own p_i).
