@@ -161,7 +161,9 @@ def reasoning_problem(rng: random.Random) -> str:
     return rng.choice(forms)
 
 
-def stage1(seed: int = 0, count: int = 1600) -> list[dict]:
+def stage1(seed: int = 0, count: int = 1600, exclude: frozenset = frozenset(), id_prefix: str = "") -> list[dict]:
+    """`count` distinct prompts; texts in `exclude` (an earlier stage's) are skipped but keep their
+    number, so a prompt's id is the same with and without the exclusion."""
     rng = random.Random(seed)
     makers = [
         ("writing", lambda: rng.choice(WRITING).format(topic=rng.choice(TOPICS))),
@@ -184,7 +186,8 @@ def stage1(seed: int = 0, count: int = 1600) -> list[dict]:
         text = make()
         if text not in seen:
             seen.add(text)
-            prompts.append(dict(id=f"s1-{len(prompts):05d}-{kind}", prompt=text))
+            if text not in exclude:
+                prompts.append(dict(id=f"{id_prefix}s1-{len(seen) - 1:05d}-{kind}", prompt=text))
     return prompts
 
 
@@ -225,9 +228,16 @@ def main():
     parser.add_argument("--answers", help="stage-1 answers (JSONL from `specbatch generate`), for stage2")
     parser.add_argument("--count", type=int)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exclude", nargs="*", default=[], help="stage1: prompt files whose prompts to skip "
+                        "(more data from another seed without repeating a stage)")
+    parser.add_argument("--id-prefix", default="", help="stage1: prefix of every id (e.g. s3-)")
     args = parser.parse_args()
     if args.stage == "stage1":
-        prompts = stage1(args.seed, args.count or 1600)
+        exclude = set()
+        for name in args.exclude:
+            with open(name) as f:
+                exclude |= {json.loads(line)["prompt"] for line in f if line.strip()}
+        prompts = stage1(args.seed, args.count or 1600, frozenset(exclude), args.id_prefix)
     else:
         with open(args.answers) as f:
             answers = [json.loads(line) for line in f if line.strip()]
