@@ -50,10 +50,10 @@ def proposal_lengths(confidence: np.ndarray, limit: np.ndarray, threshold: float
     as one function; the engines apply it step by step and the checkers recompute it with this).
     floor None: floor = threshold."""
     confidence = np.asarray(confidence, dtype=float).reshape(len(limit), -1)
-    going_on = (confidence >= threshold).cumprod(axis=1)  # every step up to j passed the threshold
-    reached = np.concatenate([np.ones((len(confidence), 1), dtype=going_on.dtype), going_on[:, :-1]], axis=1)
+    passed = np.pad(confidence >= threshold, ((0, 0), (1, 0)), constant_values=True)[:, :-1]
+    reached = passed.cumprod(axis=1).astype(bool)  # every step before j passed the threshold
     steps = np.arange(confidence.shape[1])[None, :] < np.asarray(limit)[:, None]
-    proposes = reached.astype(bool) & (confidence >= (threshold if floor is None else floor)) & steps
+    proposes = reached & (confidence >= (threshold if floor is None else floor)) & steps
     return proposes.cumprod(axis=1).sum(axis=1)  # and proposed at every earlier step
 
 

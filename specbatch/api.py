@@ -129,9 +129,9 @@ def _generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int, 
         check_probability("draft_threshold", draft_threshold)
     if draft_floor is not None:
         check_probability("draft_floor", draft_floor)
-        limit = DEFAULTS["draft_threshold"] if draft_threshold is None else draft_threshold
-        if draft_floor > limit:
-            raise OptionError(f"draft_floor must be <= draft_threshold ({limit:g}): it says whether the step that "
+        ceiling = DEFAULTS["draft_threshold"] if draft_threshold is None else draft_threshold
+        if draft_floor > ceiling:
+            raise OptionError(f"draft_floor must be <= draft_threshold ({ceiling:g}): it says whether the step that "
                               f"stops a row still proposes; got {draft_floor!r}")
     if not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a non-empty list of token-id lists (or strings with tokenizer=)")
