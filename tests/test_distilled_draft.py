@@ -2,6 +2,7 @@
 training log matches the weights (training/train_draft.py wrote both)."""
 import json
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -56,3 +57,34 @@ def test_the_committed_draft_runs_behind_prompt_lookup():
                        cache=DynamicCache()).logits
     assert logits.shape == (1, 6, 49152) and torch.isfinite(logits).all()
     assert logits[0, -1].argmax().item() == 28  # "504 3287" occurred before, followed by 28
+
+
+def test_the_committed_feature_head_loads_on_a_target_of_smollm2s_shape():
+    """`--draft smollm2-head`: the feature head of training/train_feature_head.py, on the target's own
+    embedding and LM head restricted to the tokens it was trained on; its size matches its log, its
+    forward is the trained net's, and a target of another width is refused by name."""
+    from specbatch.fast.feature_draft import FeatureHeadNet, load_feature_net
+    from specbatch.fast.loading import FEATURE_HEADS, ModelLoadError
+    from tests.hf_models import tiny
+
+    folder = FEATURE_HEADS["smollm2-head"]
+    assert (folder / "weights.pt").stat().st_size <= 8 * 2**20
+    log = json.loads((folder / "training_log.json").read_text())
+    target = tiny("llama", layers=1, seed=0, dtype=torch.float32, vocab_size=49152, hidden_size=576,
+                  intermediate_size=64, num_attention_heads=9, num_key_value_heads=3)
+    head, _ = load_draft("smollm2-head", target)
+    net, tokens = load_feature_net(folder)
+    assert isinstance(net, FeatureHeadNet) and head.mlp
+    assert sum(p.numel() for p in net.parameters()) == log["parameters"]
+    assert head.head.weight.shape == (len(tokens), 576) == (log["output_tokens_trained"], 576)
+    ids = torch.tensor([[1, 504, 3287, 28]])
+    features = torch.randn(1, 4, 576)
+    with torch.no_grad():
+        out = head(ids, torch.arange(4)[None], None, DynamicCache(), features=features)
+        want = net(target.get_input_embeddings()(ids), features)
+    torch.testing.assert_close(out.features, want)
+    assert int(out.logits[0, -1].argmax()) == tokens[int((want[0, -1] @ head.head.weight.T).argmax())]
+    narrow = tiny("llama", layers=1, seed=0, dtype=torch.float32, vocab_size=49152, hidden_size=64,
+                  intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ModelLoadError, match="another target"):
+        load_draft("smollm2-head+lookup", narrow)

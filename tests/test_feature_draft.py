@@ -10,8 +10,8 @@ from transformers import DynamicCache
 
 import specbatch
 from specbatch.fast.engine import Settings, Stats
-from specbatch.fast.feature_draft import (FeatureBuffer, FeatureDraft, FeatureDraftNet, draft_pending_after_features,
-                                          feature_draft_config)
+from specbatch.fast.feature_draft import (FeatureBuffer, FeatureDraft, FeatureDraftNet, FeatureHeadNet,
+                                          draft_pending_after_features, feature_draft_config, feature_head_config)
 from specbatch.fast.lookup_draft import LookupFirstDraft
 from specbatch.fast.reduced_head import ReducedHeadDraft
 
@@ -20,10 +20,12 @@ from hf_models import EOS, VOCAB, oracle, tiny
 PROMPTS = [[5, 9, 14, 3, 22], [40, 41], [8, 8, 8, 8, 8, 8, 8, 8, 30], [61, 2, 77, 19, 19, 4, 1], [12]]
 
 
-def feature_draft(target, seed=0, tokens=None):
-    """A random-initialised feature draft for `target` (its features are real: the target's own)."""
+def feature_draft(target, seed=0, tokens=None, head=False):
+    """A random-initialised feature draft for `target` (its features are real: the target's own);
+    head: the feature head (an MLP, no decoder layer) instead."""
     torch.manual_seed(seed)
-    net = FeatureDraftNet(feature_draft_config(target.config))
+    net = FeatureHeadNet(feature_head_config(target.config, 48)) if head else \
+        FeatureDraftNet(feature_draft_config(target.config))
     with torch.no_grad():
         for p in net.parameters():  # larger than the default init: distinct, confident proposals
             p.add_(torch.randn_like(p) * 0.3)
@@ -38,6 +40,7 @@ def conditioned_draft(target, seed=0, arch="llama"):
 
 
 DRAFTS = {"feature": lambda target, seed: feature_draft(target, seed)[0],
+          "head": lambda target, seed: feature_draft(target, seed, head=True)[0],
           "conditioned": lambda target, seed: conditioned_draft(target, seed)}
 
 
@@ -46,9 +49,10 @@ def causal(queries: int, slots: int) -> torch.Tensor:
     return torch.zeros(1, 1, queries, slots, dtype=torch.float64).masked_fill(torch.arange(slots)[None] > q, -1e9)
 
 
-def test_the_engine_forward_equals_the_training_forward_through_a_growing_cache():
+@pytest.mark.parametrize("head", [False, True])
+def test_the_engine_forward_equals_the_training_forward_through_a_growing_cache(head):
     target = tiny("llama", layers=2, seed=4)
-    draft, net = feature_draft(target, seed=1, tokens=range(0, VOCAB, 3))  # net: float64 like the target
+    draft, net = feature_draft(target, seed=1, tokens=range(0, VOCAB, 3), head=head)  # net: float64 like the target
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     features = torch.randn(2, 9, target.config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
@@ -206,15 +210,17 @@ def test_the_loader_reads_both_feature_drafts_from_their_training_outputs(tmp_pa
     they were trained for; a missing folder or another target's width is refused by name."""
     from specbatch.fast.loading import ModelLoadError, load_draft
     target = tiny("llama", layers=2, seed=9)
-    draft, net = feature_draft(target, seed=5)
-    net.save(tmp_path / "feature", range(0, VOCAB, 2), {"note": "test"})
-    loaded, _ = load_draft(f"feature:{tmp_path / 'feature'}", target, "float64")
-    ids, pos, mask = torch.tensor([[3, 9, 27, 4]]), torch.arange(4)[None], causal(4, 4)
-    features = torch.randn(1, 4, target.config.hidden_size, dtype=torch.float64)
-    with torch.no_grad():
-        want = net.double()(target.get_input_embeddings()(ids), features, pos)
-        got = loaded(ids, pos, mask, DynamicCache(), features=features).features
-    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)  # float16 on disk
+    for head in (False, True):  # the decoder-layer draft and the feature head (train_feature_head.py)
+        draft, net = feature_draft(target, seed=5, head=head)
+        net.save(tmp_path / f"feature{head}", range(0, VOCAB, 2), {"note": "test"})
+        loaded, _ = load_draft(f"feature:{tmp_path / f'feature{head}'}", target, "float64")
+        assert loaded.mlp == head
+        ids, pos, mask = torch.tensor([[3, 9, 27, 4]]), torch.arange(4)[None], causal(4, 4)
+        features = torch.randn(1, 4, target.config.hidden_size, dtype=torch.float64)
+        with torch.no_grad():
+            want = net.double()(target.get_input_embeddings()(ids), features, pos)
+            got = loaded(ids, pos, mask, DynamicCache(), features=features).features
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)  # float16 on disk
     token_draft = tiny("llama", layers=1, seed=11)
     token_draft.save_pretrained(tmp_path / "conditioned")
     (tmp_path / "conditioned" / "output_tokens.json").write_text(json.dumps(list(range(VOCAB))))
