@@ -141,8 +141,9 @@ def final_norm(target):
 class FeatureDraft(torch.nn.Module):
     """The engine's draft: `net` on the `target`'s embedding, with the target's LM head restricted to
     `token_ids`. forward(input_ids, position_ids, attention_mask, cache, features) -> logits [B, Q, V]
-    (or the last query's) and `.features`, f^ [B, Q, H] of every query; features[b, q] must be
-    f_{j-1} for the token at content index j (zero at j = 0)."""
+    (or the last query's) and `.features`, f^ [B, Q, H] of every query (the feature head: of the kept
+    queries only, since its queries do not depend on each other); features[b, q] must be f_{j-1} for
+    the token at content index j (zero at j = 0)."""
 
     reads_features = True
 
@@ -181,6 +182,8 @@ class FeatureDraft(torch.nn.Module):
             raise ValueError("a feature draft needs the target's features for its inputs (the ragged strategy "
                              "passes them)")
         features = features.to(self.head.weight.dtype)
+        if self.mlp and logits_to_keep:  # every index stands alone: compute the kept queries only
+            input_ids, features = input_ids[:, -int(logits_to_keep):], features[:, -int(logits_to_keep):]
         x = self.fc(torch.cat([self.embed(input_ids), features], dim=-1))
         if self.mlp:
             predicted = features + self.down(F.silu(x))

@@ -233,3 +233,17 @@ def test_the_loader_reads_both_feature_drafts_from_their_training_outputs(tmp_pa
     with pytest.raises(ModelLoadError, match="another target"):
         load_draft(f"conditioned:{tmp_path / 'conditioned'}", tiny("llama", layers=2, seed=9, hidden_size=48,
                                                                     num_attention_heads=4))
+
+
+@pytest.mark.parametrize("kind", sorted(DRAFTS))
+def test_coupled_sampling_with_a_feature_draft_equals_target_only(kind):
+    """Sampled with coupled randomness, a feature draft's run equals target-only decoding with the same
+    seed token for token (its q only changes which proposals are accepted, never the output)."""
+    target = tiny("llama", layers=2, seed=7)
+    draft = LookupFirstDraft(DRAFTS[kind](target, 4))
+    options = dict(max_new_tokens=14, batch_size=3, temperature=0.9, top_k=20, seed=11, sampling="coupled",
+                   eos_token_id=[EOS])
+    out = specbatch.generate(target, draft, PROMPTS, num_draft_tokens=3, check_invariants=True, **options)
+    alone = specbatch.generate(target, None, PROMPTS, **options)
+    assert out.sequences == alone.sequences
+    assert out.stats["accepted_tokens"] > 0 if isinstance(out.stats, dict) else out.stats.accepted_tokens > 0

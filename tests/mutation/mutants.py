@@ -143,4 +143,10 @@ MUTANTS = [
      FEATURES),
     ("feature-verify-routed-one-index-late", "features", "fast/strategies/ragged.py",
      "self.capture.route(dev(token_row)[None], pos)", "self.capture.route(dev(token_row)[None], pos + 1)", FEATURES),
+    ("feature-head-drops-residual", "features", "fast/feature_draft.py",
+     "predicted = features + self.down(F.silu(x))", "predicted = self.down(F.silu(x))",
+     FEATURES + ["tests/test_distilled_draft.py"]),
+    ("feature-head-keeps-first-queries", "features", "fast/feature_draft.py",
+     "input_ids[:, -int(logits_to_keep):], features[:, -int(logits_to_keep):]",
+     "input_ids[:, :int(logits_to_keep)], features[:, :int(logits_to_keep)]", FEATURES),
 ]
