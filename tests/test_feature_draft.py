@@ -241,9 +241,11 @@ def test_coupled_sampling_with_a_feature_draft_equals_target_only(kind):
     seed token for token (its q only changes which proposals are accepted, never the output)."""
     target = tiny("llama", layers=2, seed=7)
     draft = LookupFirstDraft(DRAFTS[kind](target, 4))
-    options = dict(max_new_tokens=14, batch_size=3, temperature=0.9, top_k=20, seed=11, sampling="coupled",
+    options = dict(max_new_tokens=14, batch_size=3, temperature=0.3, top_k=20, seed=11, sampling="coupled",
                    eos_token_id=[EOS])
-    out = specbatch.generate(target, draft, PROMPTS, num_draft_tokens=3, check_invariants=True, **options)
+    out = specbatch.generate(target, draft, PROMPTS, num_draft_tokens=3, draft_threshold=0.0, check_invariants=True,
+                             **options)
     alone = specbatch.generate(target, None, PROMPTS, **options)
     assert out.sequences == alone.sequences
-    assert out.stats["accepted_tokens"] > 0 if isinstance(out.stats, dict) else out.stats.accepted_tokens > 0
+    stats = out.stats if isinstance(out.stats, dict) else out.stats.as_dict()
+    assert stats["drafted_tokens"] > 0 and stats["accepted_tokens"] > 0  # proposals made, some accepted
