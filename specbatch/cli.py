@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "speculation pays on a 2-core CPU (see README)")
     p.add_argument("--max-new-tokens", type=positive_int, default=48)
     p.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULTS["num_draft_tokens"])
-    p.add_argument("--draft", default="smollm2-draft+lookup", help="draft (the --draft forms of generate); "
-                   "default: the distilled draft with prompt lookup in front")
+    p.add_argument("--draft", default="smollm2-head+lookup", help="draft (the --draft forms of generate); "
+                   "default: the feature head with prompt lookup in front (smollm2-draft+lookup: the token draft)")
     p.add_argument("--repeats", type=positive_int, default=2, help="timed runs of each method, alternating "
                    "(default 2); the speed-up compares the fastest run of each (the machine only ever slows a run)")
     p.add_argument("--offline", action="store_true", help="skip the download; use tiny random models")
