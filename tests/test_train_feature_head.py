@@ -34,3 +34,16 @@ def test_step_two_reads_step_one_estimate_and_the_next_token():
         estimate = net(embedding(token), feats)
         torch.testing.assert_close(first, estimate @ head.T)
         torch.testing.assert_close(second, net(embedding(nxt), estimate) @ head.T)
+
+
+def test_the_log_keeps_the_weights_of_the_best_validation():
+    from target_features import log_step
+    net = torch.nn.Linear(2, 2)
+    scores = iter([(0.3, 0.1), (0.5, 0.2), (0.4, 0.3)])
+    best, log = (-1.0, None, None), []
+    for step in (1, 2, 3, 4):
+        with torch.no_grad():
+            net.weight.fill_(step)
+        best = log_step(dict(step=step), log, net, best, lambda: next(scores), validating=step != 3)
+    assert [e.get("validation_step1") for e in log] == [0.3, 0.5, None, 0.4]
+    assert best[:2] == (0.5, 2) and best[2]["weight"].eq(2).all()  # a copy, not the live weights

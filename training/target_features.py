@@ -39,6 +39,19 @@ def feature_examples(args, tokenizer) -> tuple[dict, list, list]:
     return features, train, valid
 
 
+def log_step(entry: dict, log: list, net, best: tuple, validate, validating: bool) -> tuple:
+    """Append a training log entry (with the validation agreement of both draft steps when
+    `validating`) and print it; returns best, (step-1 agreement, step, weights) of the best
+    validation so far."""
+    if validating:
+        entry["validation_step1"], entry["validation_step2"] = validate()
+        if entry["validation_step1"] > best[0]:
+            best = (entry["validation_step1"], entry["step"], {k: v.clone() for k, v in net.state_dict().items()})
+    log.append(entry)
+    print(entry, flush=True)
+    return best
+
+
 def feature_rms(features: dict, examples: list, count: int = 50) -> float:
     """The root mean square of the features of the first `count` examples."""
     return torch.cat([features[e[0]].float() for e in examples[:count]]).pow(2).mean().sqrt().item()

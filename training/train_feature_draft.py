@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from target_features import feature_arguments, feature_examples, feature_rms
+from target_features import feature_arguments, feature_examples, feature_rms, log_step
 from train_draft import Schedule, make_batches
 
 
@@ -162,12 +162,7 @@ def main(argv=None):
             if step % 25 == 0 or done:
                 entry = dict(step=step, loss=round(loss.item(), 4), train_step1=round(agree1 / len(rows), 3),
                              train_step2=round(agree2 / len(rows), 3), minutes=round(schedule.elapsed() / 60, 2))
-                if step % 200 == 0 or done:
-                    entry["validation_step1"], entry["validation_step2"] = validate()
-                    if entry["validation_step1"] > best[0]:
-                        best = (entry["validation_step1"], step, {k: v.clone() for k, v in net.state_dict().items()})
-                log.append(entry)
-                print(entry, flush=True)
+                best = log_step(entry, log, net, best, validate, step % 200 == 0 or done)
             if done:
                 break
     if best[2] is not None and best[1] != step:

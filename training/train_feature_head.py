@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from target_features import feature_arguments, feature_examples
+from target_features import feature_arguments, feature_examples, log_step
 
 
 def positions(examples, features):
@@ -117,12 +117,7 @@ def main(argv=None):
         if step % 50 == 0 or done:
             entry = dict(step=step, loss1=round(loss1.item(), 4), loss2=round(loss2.item(), 4),
                          minutes=round((time.time() - start) / 60, 2))
-            if step % 200 == 0 or done:
-                entry["validation_step1"], entry["validation_step2"] = validate()
-                if entry["validation_step1"] > best[0]:
-                    best = (entry["validation_step1"], step, {k: v.clone() for k, v in net.state_dict().items()})
-            log.append(entry)
-            print(entry, flush=True)
+            best = log_step(entry, log, net, best, validate, step % 200 == 0 or done)
     if best[2] is not None and best[1] != step:
         net.load_state_dict(best[2])
     final = validate()
