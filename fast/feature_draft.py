@@ -80,11 +80,13 @@ class FeatureDraftNet(torch.nn.Module):
         (out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
     @classmethod
-    def load(cls, directory, net_class=None) -> tuple[torch.nn.Module, list]:
+    def load(cls, directory) -> tuple[torch.nn.Module, list]:
+        """(net, output tokens) from a trainer's output folder: a FeatureHeadNet where the config says
+        feature_block "mlp" (train_feature_head.py), else a FeatureDraftNet."""
         directory = Path(directory)
         config = LlamaConfig.from_json_file(directory / "config.json")
         config._attn_implementation = "sdpa"
-        net = (net_class or cls)(config)
+        net = (FeatureHeadNet if getattr(config, "feature_block", "decoder") == "mlp" else cls)(config)
         state = torch.load(directory / "weights.pt", map_location="cpu")
         missing, unexpected = net.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
         if unexpected or [k for k in missing if "rotary" not in k]:
@@ -120,12 +122,7 @@ def feature_head_config(target_config, intermediate: int) -> LlamaConfig:
                        num_attention_heads=target_config.num_attention_heads, feature_block="mlp")
 
 
-def load_feature_net(directory):
-    """(FeatureDraftNet or FeatureHeadNet, output tokens) from a trainer's output folder."""
-    config = LlamaConfig.from_json_file(Path(directory) / "config.json")
-    if getattr(config, "feature_block", "decoder") == "mlp":
-        return FeatureDraftNet.load(directory, FeatureHeadNet)
-    return FeatureDraftNet.load(directory)
+load_feature_net = FeatureDraftNet.load  # either kind of feature draft, by its config
 
 
 def final_norm(target):

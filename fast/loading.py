@@ -251,9 +251,7 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
             raise ModelLoadError(f"{spec}: the target has {layers} layers; a truncated draft keeps fewer "
                                  f"(truncated:1 .. truncated:{layers - 1})")
         return truncated_draft(target, int(count)), None
-    if spec in FEATURE_HEADS:
-        if not (FEATURE_HEADS[spec] / "weights.pt").is_file():
-            raise ModelLoadError(f"the feature head {spec!r} is missing from this installation ({FEATURE_HEADS[spec]})")
+    if spec in FEATURE_HEADS:  # feature_draft refuses a folder without weights by name
         return feature_draft(FEATURE_HEADS[spec], target), None
     kind, colon, where = spec.partition(":")
     if colon and kind in ("feature", "conditioned"):  # drafts that read the target's features, trained for it
