@@ -21,6 +21,8 @@ PROMPTS = [RNG.integers(0, VOCAB, n).tolist() for n in (1, 30, 7, 64, 3)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_equals_the_plain_product(dtype, bias):
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN packs bfloat16 only with avx512 or avx_ne_convert (this CPU: the layer stays plain)")
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
     x = torch.randn(5, 3, 48, dtype=dtype)
@@ -31,6 +33,17 @@ def test_prepacked_linear_equals_the_plain_product(dtype, bias):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, want, **tol)
     assert "forward" not in vars(layer)  # the module's own forward is back
+
+
+@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN packs bfloat16 on this CPU")
+def test_a_layer_onednn_refuses_stays_plain():
+    """Where oneDNN cannot pack bfloat16 (AVX2 CPUs), prepacking leaves such a layer alone: its own
+    forward, the same numbers."""
+    layer = torch.nn.Linear(48, 80).to(torch.bfloat16)
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    with torch.inference_mode(), kernels.prepacked_linears(layer) as count:
+        assert count == 0 and "forward" not in vars(layer)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("shape", [(2, 48), (1, 2, 48), (2, 1, 48)])
