@@ -172,8 +172,9 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
                 lookup_step=None, remaining=None, waiting: bool = True) -> Proposals:
     """Run the draft step by step and apply the proposal rule (fast.proposals) to each row.
 
-    step_forward(step, ids) -> the draft's logits [R, V] at each row's last query; ids is None at
-    step 0 (the engine feeds each row's pending tokens), then the previous proposals [R, 1].
+    step_forward(step, ids) -> the draft's logits [R, V] at each row's last query (or SubsetLogits,
+    fast.reduced_head); ids is None at step 0 (the engine feeds each row's pending tokens), then the
+    previous proposals [R, 1].
     clamp: each row's min(k, remaining - 1). Drafting stops as soon as no row proposes. remaining
     (each row's tokens left) and waiting (whether requests wait for a row) tell the controller what
     a token saves (DraftController.token_values).
@@ -184,7 +185,10 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     whose lookup matches at step 0 is a lookup row: it drafts this round by lookup alone and stops
     where the chain of matches breaks (a function of its own content, like any draft). The model then
     runs only while some other row still drafts; a round of lookup rows alone runs no model at all,
-    and the model's cache catches up on the next round that runs it (its pending tokens)."""
+    and the model's cache catches up on the next round that runs it (its pending tokens). Where the
+    lookup matches in a model row's later step, the lookup's token is that row's proposal too: the
+    lookup-first draft's own rule, so the engine runs that draft with engine_lookup=True (one lookup
+    a step)."""
     caps, lookup_caps = (settings.controller.row_caps(requests.tolist(), clamp, remaining, waiting)
                          if settings.controller else (np.asarray(clamp), np.asarray(clamp)))
     limit = np.minimum(clamp, caps)
@@ -206,10 +210,11 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         if (active & ~lookup_rows).any():
             logits = step_forward(step, ids)
             model_steps = step + 1
-            if lookup_rows.any():
-                logits = torch.where(torch.as_tensor(lookup_rows, device=logits.device)[:, None],
-                                     found.logits().to(logits.dtype), logits)
-            token, dist, confidence = settings.chooser.draft(logits, requests, content + step)
+            if found is not None:  # lookup rows take the lookup's step, the others its match where it has one
+                use = torch.as_tensor(lookup_rows, device=found.matched.device) | (found.matched > 0)
+                token, dist, confidence = settings.chooser.draft(logits, requests, content + step, found, use)
+            else:
+                token, dist, confidence = settings.chooser.draft(logits, requests, content + step)
         elif found is not None:  # lookup rows alone: no model, and greedy builds no [R, V] logits
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
         else:

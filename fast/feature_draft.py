@@ -40,7 +40,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .lean_llama import LeanBlock
-from .reduced_head import full_vocab_logits, restricted_head
+from .reduced_head import SubsetLogits, restricted_head
 
 
 def feature_draft_config(target_config, intermediate: int | None = None) -> LlamaConfig:
@@ -140,9 +140,11 @@ class FeatureDraft(torch.nn.Module):
     `token_ids`. forward(input_ids, position_ids, attention_mask, cache, features) -> logits [B, Q, V]
     (or the last query's) and `.features`, f^ [B, Q, H] of every query (the feature head: of the kept
     queries only, since its queries do not depend on each other); features[b, q] must be f_{j-1} for
-    the token at content index j (zero at j = 0)."""
+    the token at content index j (zero at j = 0). subset_logits=True: the logits as
+    fast.reduced_head.SubsetLogits."""
 
     reads_features = True
+    returns_subset = True  # forward(subset_logits=True) is understood
 
     def __init__(self, target, net, token_ids):
         super().__init__()
@@ -174,7 +176,7 @@ class FeatureDraft(torch.nn.Module):
         return SimpleNamespace(weight=torch.empty(self.vocab_size, 0))  # its vocabulary: the target's
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, features=None,
-                logits_to_keep=0, **kwargs):
+                logits_to_keep=0, subset_logits=False, **kwargs):
         if features is None:
             raise ValueError("a feature draft needs the target's features for its inputs (the ragged strategy "
                              "passes them)")
@@ -189,8 +191,8 @@ class FeatureDraft(torch.nn.Module):
             predicted = self.block(x, cos, sin, attention_mask, cache, 0)
         predicted = F.rms_norm(predicted, (predicted.shape[-1],), self.norm, self.eps)
         hidden = predicted[:, -int(logits_to_keep):] if logits_to_keep else predicted
-        return SimpleNamespace(logits=full_vocab_logits(self.head(hidden), self.token_ids, self.vocab_size),
-                               features=predicted)
+        logits = SubsetLogits(self.head(hidden), self.token_ids, self.vocab_size)
+        return SimpleNamespace(logits=logits if subset_logits else logits.full(), features=predicted)
 
 
 class FeatureBuffer:

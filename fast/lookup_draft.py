@@ -23,6 +23,15 @@ from types import SimpleNamespace
 import torch
 
 from .models import WeightlessLM, cache_argument
+from .reduced_head import full_logits
+
+
+def store_history(cache, layer: int, input_ids) -> torch.Tensor:
+    """Store the query tokens in cache layer `layer` as their K and V; returns the layer's history
+    [B, S] of token ids (whatever the mask hides included)."""
+    ids = input_ids.to(torch.float32)[:, None, :, None]  # [B, 1, Q, 1]: one "head", one feature
+    history, _ = cache.update(ids, ids, layer)
+    return history[:, 0, :, 0].round().long()
 
 
 def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int, min_ngram: int = 1):
@@ -31,9 +40,7 @@ def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int, min_ngr
     Returns (proposal [B], matched [B]): the token after the latest earlier match of the row's last
     n tokens, n from max_ngram down to min_ngram, and that n (0 and the row's last token when nothing
     matches). Visible slots (mask 0 for the last query) form a contiguous range ending at the query."""
-    ids = input_ids.to(torch.float32)[:, None, :, None]  # [B, 1, Q, 1]: one "head", one feature
-    history, _ = cache.update(ids, ids, layer)
-    history = history[:, 0, :, 0].round().long()  # [B, S]
+    history = store_history(cache, layer, input_ids)
     visible = attention_mask[:, 0, -1, :] == 0
     token = torch.where(visible, history, torch.full_like(history, -1))
     position = torch.arange(history.shape[1], device=history.device)[None, :]
@@ -142,6 +149,11 @@ class LookupFirstDraft(torch.nn.Module):
         return bool(getattr(self.model, "reads_features", False))
 
     @property
+    def returns_subset(self) -> bool:
+        """Whether forward(subset_logits=True) is understood (by the model behind the lookup)."""
+        return bool(getattr(self.model, "returns_subset", False))
+
+    @property
     def lookup_proposals(self) -> int:
         """Last-query rows whose proposal came from the lookup so far (a statistic)."""
         return int(self._lookup_count)
@@ -150,10 +162,16 @@ class LookupFirstDraft(torch.nn.Module):
         return self.model.get_output_embeddings()
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
-                logits_to_keep=0, **kwargs):
+                logits_to_keep=0, engine_lookup=False, **kwargs):
+        """engine_lookup=True: the caller runs the same lookup itself (the ragged engine's lookup rows,
+        engine.draft_round, which puts its proposals where it matched): the tokens are stored in the
+        history layer, and the model's logits come back untouched (SubsetLogits too, if asked for)."""
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                          use_cache=True, logits_to_keep=logits_to_keep, **{self.cache_kw: cache}, **kwargs)
-        logits = out.logits
+        if engine_lookup:
+            store_history(cache, self.model.config.num_hidden_layers, input_ids)
+            return SimpleNamespace(logits=out.logits, features=getattr(out, "features", None))
+        logits = full_logits(out.logits)
         proposal, matched = lookup(cache, self.model.config.num_hidden_layers, input_ids, attention_mask,
                                    self.max_ngram, min_ngram=self.min_match)
         from_lookup = matched > 0

@@ -33,13 +33,14 @@ class ModelRunner:
         return int(self.model.config.num_hidden_layers)
 
     def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False, kv_lens=None, flat=None,
-                 features=None):
+                 features=None, **options):
         """flat: the FlatParts of a flat forward (fast.attention.flat_plan), whose attention they define.
         features: the target's features for a draft that reads them (fast.feature_draft); the draft's
-        own estimates of every query's feature are then kept in `last_features`."""
+        own estimates of every query's feature are then kept in `last_features`. options: further
+        keyword arguments of the model's forward (a draft's subset_logits, engine_lookup)."""
         from .attention import forward_plan
         self.tokens_processed += input_ids.numel()
-        kwargs = {self.cache_kw: cache}
+        kwargs = {self.cache_kw: cache, **options}
         if last_only:
             kwargs["logits_to_keep"] = 1
         if features is not None:

@@ -10,6 +10,7 @@ functions of the visible content), so this changes speed and acceptance, never o
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -32,13 +33,40 @@ def full_vocab_logits(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: 
     return logits.index_copy_(-1, token_ids, small)
 
 
+@dataclass
+class SubsetLogits:
+    """A restricted head's logits kept as they are: values [..., n] over `token_ids` (sorted), every
+    other token of the `vocab`-token vocabulary very negative. A greedy draft step reads its proposal
+    and confidence from the n values (fast.sampling.Greedy.draft: at batch 13 a [13, 49,152] argmax
+    and softmax cost ~2.5 ms of a ~12 ms step); `full()` builds the whole vocabulary's logits for
+    anything else. Indexing (`logits[:, -1]`) selects queries, never the vocabulary axis."""
+
+    values: torch.Tensor
+    token_ids: torch.Tensor
+    vocab: int
+
+    def __getitem__(self, index) -> "SubsetLogits":
+        return SubsetLogits(self.values[index], self.token_ids, self.vocab)
+
+    def full(self) -> torch.Tensor:
+        return full_vocab_logits(self.values, self.token_ids, self.vocab)
+
+
+def full_logits(logits) -> torch.Tensor:
+    """Logits over the whole vocabulary, from a tensor (as it is) or SubsetLogits."""
+    return logits.full() if isinstance(logits, SubsetLogits) else logits
+
+
 class ReducedHeadDraft(torch.nn.Module):
     """`model` (a Hugging Face causal LM) with its output head restricted to `token_ids`.
 
     feature_projection: an optional [hidden, target hidden] weight. The draft then also reads the
     target's features (fast.feature_draft): at content index j its input embedding is
     embed(t_j) + P f_{j-1}; forward(features=None), past the content where the target has not yet
-    seen the tokens, reads zero (training/train_conditioned_draft.py trains it so)."""
+    seen the tokens, reads zero (training/train_conditioned_draft.py trains it so).
+    forward(subset_logits=True) returns SubsetLogits instead of the whole vocabulary's logits."""
+
+    returns_subset = True
 
     def __init__(self, model, token_ids, feature_projection=None):
         super().__init__()
@@ -63,7 +91,7 @@ class ReducedHeadDraft(torch.nn.Module):
         return self.model.get_output_embeddings()  # the full vocabulary: what the target is checked against
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
-                logits_to_keep=0, features=None, **kwargs):
+                logits_to_keep=0, features=None, subset_logits=False, **kwargs):
         added = None
         if self.projection is not None and features is not None:
             added = self.projection(features.to(self.projection.weight.dtype))
@@ -76,5 +104,6 @@ class ReducedHeadDraft(torch.nn.Module):
                                            use_cache=True, **{self.cache_kw: cache}).last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -int(logits_to_keep):]
-        logits = full_vocab_logits(self.head(hidden), self.token_ids, self.vocab_size)
-        return SimpleNamespace(logits=logits, features=None)  # no estimates of the target's features
+        logits = SubsetLogits(self.head(hidden), self.token_ids, self.vocab_size)
+        features = None  # no estimates of the target's features
+        return SimpleNamespace(logits=logits if subset_logits else logits.full(), features=features)

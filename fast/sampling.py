@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import rng
+from .reduced_head import SubsetLogits, full_logits
 from .verify import greedy_accept
 
 
@@ -81,7 +82,9 @@ def mode_probability(log_probs: torch.Tensor) -> torch.Tensor:
 
 
 class Chooser:
-    """draft(logits [R, V], requests, positions) -> (proposals [R], q [R, V] or None, confidence [R]);
+    """draft(logits [R, V] or SubsetLogits, requests, positions, lookup=None, use_lookup=None) ->
+    (proposals [R], q [R, V] or None, confidence [R]); with a lookup step (fast.lookup_draft.LookupStep),
+    the rows in use_lookup [R] are drafted from the lookup's logits instead of the model's;
     confidence is the probability of the draft distribution's most likely token (the proposal rule
     of fast.proposals stops a row below a threshold; it depends on the row's distribution only, never
     on the token drawn, which keeps rejection sampling exact: proofs_notes/sampling.md).
@@ -90,6 +93,14 @@ class Chooser:
     index of each row's query j (repeating the row's last query past its proposals)."""
 
     needs_q = False
+
+    @staticmethod
+    def draft_logits(logits, lookup=None, use_lookup=None) -> torch.Tensor:
+        """The step's logits over the whole vocabulary, the lookup's where use_lookup says."""
+        logits = full_logits(logits)
+        if lookup is None:
+            return logits
+        return torch.where(use_lookup[:, None], lookup.logits().to(logits.dtype), logits)
 
     def verify_flat(self, logits, layout, drafted, q, limit, requests, first_position):
         return self.verify(logits[layout], drafted, q, limit, requests, first_position)
@@ -101,8 +112,19 @@ class Chooser:
 
 
 class Greedy(Chooser):
-    def draft(self, logits, requests, positions):
-        return logits.argmax(dim=-1), None, mode_probability(logits)
+    def draft(self, logits, requests, positions, lookup=None, use_lookup=None):
+        """A restricted head's SubsetLogits are read as they are: the argmax and the softmax over the
+        subset equal those over the whole vocabulary (every other logit is so negative that its exp is
+        0; the first maximum is the smallest token id either way, the subset being sorted)."""
+        if isinstance(logits, SubsetLogits):
+            token, confidence = logits.token_ids[logits.values.argmax(dim=-1)], mode_probability(logits.values)
+        else:
+            token, confidence = logits.argmax(dim=-1), mode_probability(logits)
+        if lookup is not None:
+            lookup_token, _, lookup_confidence = self.draft_lookup(lookup, requests, positions)
+            token = torch.where(use_lookup, lookup_token, token)
+            confidence = torch.where(use_lookup, lookup_confidence.to(confidence.dtype), confidence)
+        return token, None, confidence
 
     def draft_lookup(self, step, requests, positions):
         """What draft(step.logits()) returns, without the [R, V] logits: a matched row's one-hot
@@ -143,9 +165,9 @@ class Coupled(Sampled):
         noise = rng.gumbel(*self.keys(requests), positions, logits.shape[-1])
         return self.log_probs(logits) + noise
 
-    def draft(self, logits, requests, positions):
-        log_q = self.log_probs(logits)
-        noise = rng.gumbel(*self.keys(requests), positions, logits.shape[-1])
+    def draft(self, logits, requests, positions, lookup=None, use_lookup=None):
+        log_q = self.log_probs(self.draft_logits(logits, lookup, use_lookup))
+        noise = rng.gumbel(*self.keys(requests), positions, log_q.shape[-1])
         return (log_q + noise).argmax(dim=-1), None, mode_probability(log_q)
 
     def verify(self, logits, drafted, q, limit, requests, first_position):
@@ -158,8 +180,8 @@ class Coupled(Sampled):
 class Rejection(Sampled):
     needs_q = True
 
-    def draft(self, logits, requests, positions):
-        q = self.log_probs(logits).exp()
+    def draft(self, logits, requests, positions, lookup=None, use_lookup=None):
+        q = self.log_probs(self.draft_logits(logits, lookup, use_lookup)).exp()
         u = rng.uniform(*self.keys(requests), positions, "draft")
         return sample_from(q, u), q, q.max(dim=-1).values
 

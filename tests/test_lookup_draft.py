@@ -172,11 +172,12 @@ def test_draft_round_lookup_rows_follow_their_own_chain():
     assert proposals.proposed.tolist() == [3, 2]
     assert proposals.drafted[0, :3].tolist() == [20, 20, 20] and proposals.drafted[1, :2].tolist() == [7, 7]
     assert calls == [0, 1, 2] and proposals.model_steps == 3  # the model runs while row 1 may still draft
-    # a row that matches only from step 1 on is a model row for the whole round; a lookup row whose
-    # chain breaks stops even where the model is sure (and a later match does not restart it)
+    # a row that matches only from step 1 on is a model row for the whole round, which takes the lookup's
+    # token where it matches (the lookup-first draft's rule: the engine looks up for the draft); a lookup
+    # row whose chain breaks stops even where the model is sure (and a later match does not restart it)
     proposals, calls = run_draft_round([{0, 2}, {1, 2}, set()], [4, 3, 0])
     assert proposals.proposed.tolist() == [1, 3, 0]
-    assert proposals.drafted[1, :3].tolist() == [7, 7, 7] and calls == [0, 1, 2, 3]  # step 3: row 1 unsure
+    assert proposals.drafted[1, :3].tolist() == [7, 21, 21] and calls == [0, 1, 2, 3]  # step 3: row 1 unsure
 
 
 def test_draft_round_of_lookup_rows_alone_runs_no_model():
@@ -213,3 +214,37 @@ def test_greedy_drafts_a_lookup_step_as_it_drafts_its_logits(vocab):
     assert dist is None and want_dist is None
     assert torch.equal(token, want_token) and torch.equal(confidence, want_confidence)
     assert token[step.matched == 0].eq(0).all() and confidence[step.matched == 0].lt(0.5).all()
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_path, reduced):
+    """The ragged engine runs the prompt lookup itself (lookup rows; engine_lookup=True, so the draft
+    skips its own), and a restricted head's logits stay restricted there (SubsetLogits). Every traced
+    proposal and its confidence must still be the lookup-first draft's, run from scratch over the
+    row's content and earlier proposals: the model's token and confidence where no n-gram matches,
+    the lookup's token (confidence 1) where one does, in lookup rows and model rows alike."""
+    import json
+    from specbatch.fast.cache import rect_inputs
+    from specbatch.fast.reduced_head import ReducedHeadDraft
+    target = tiny("llama")
+    model = tiny("llama", layers=1, seed=5)
+    inner = ReducedHeadDraft(model, range(0, VOCAB, 2)) if reduced else model  # even tokens only
+    draft = LookupFirstDraft(inner)
+    prompts = repetitive_prompts()
+    path = tmp_path / "trace.jsonl"
+    result = specbatch.generate(target, draft, prompts, max_new_tokens=14, num_draft_tokens=4, batch_size=3,
+                                draft_threshold=0.01, adaptive=False, trace=path, check_invariants=True)
+    assert result.sequences == oracle(target, prompts, 14, [EOS])
+    counts = {"lookup": 0, "model": 0}
+    with torch.no_grad():
+        for round_ in [json.loads(line) for line in open(path)][1:-1]:
+            for row in round_["rows"]:
+                ids = row["tokens"][:row["content_len"]]
+                for proposal, confidence in zip(row["drafted"], row["draft_confidence"]):
+                    pos, mask = rect_inputs(torch.zeros(1, dtype=torch.long), 0, len(ids), None, torch.float64, -1e9)
+                    logits = draft(torch.tensor([ids]), pos, mask, DynamicCache()).logits[0, -1]
+                    assert int(logits.argmax()) == proposal
+                    assert confidence == pytest.approx(float(torch.softmax(logits.float(), -1).max()), rel=1e-5)
+                    counts["lookup" if confidence == 1.0 else "model"] += 1
+                    ids = ids + [proposal]
+    assert counts["lookup"] >= 10 and counts["model"] >= 10

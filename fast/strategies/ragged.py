@@ -78,6 +78,13 @@ class RaggedEngine:
         lookup_first = draft is not None and isinstance(draft.model, LookupFirstDraft) and settings.threshold > 0
         self.lookup = draft.model if lookup_first else None  # lookup rows (engine.draft_round) need a threshold
         self.vocab = vocab_size(draft.model) if lookup_first else None
+        # the draft step's own options: the engine's lookup replaces the draft's (one lookup a step), and
+        # a restricted head's logits stay restricted (fast.reduced_head.SubsetLogits; greedy reads them as they are)
+        self.draft_options = {}
+        if lookup_first:
+            self.draft_options["engine_lookup"] = True
+        if draft is not None and getattr(draft.model, "returns_subset", False):
+            self.draft_options["subset_logits"] = True
         # a feature draft (fast.feature_draft) reads the target's features of each row's content
         self.reads_features = draft is not None and draft.reads_features
         if self.reads_features:
@@ -117,6 +124,8 @@ class RaggedEngine:
         runner = self.target if name == "target" else self.draft
         kv_lens = query_index.max(axis=1) + 1  # each row's visible length: attention reads no further
         extra = {} if features is None else {"features": features}
+        if name == "draft":
+            extra.update(self.draft_options)
         return runner(ids, pos, mask, cache, last_only=last_only, kv_lens=kv_lens, **extra), pos, mask
 
     def admit(self) -> None:
