@@ -10,6 +10,8 @@ Variants (ragged, the default draft and options unless named):
   ledger-everywhere  the ledger also acts below DraftController.LEDGER_FROM_ROWS rows
   fixed-probes  the ledger's probes every PROBE_EVERY rounds while it loses (no backoff)
   no-plain-anchor  no plain rounds measured at the start (the verify cost fitted through drafting rounds)
+  full-vocab-steps  draft steps as before SubsetLogits: whole-vocabulary logits, and the lookup-first
+                draft runs its own lookup besides the engine's (the same proposals)
 Variants alternate inside each repeat (in reverse order every second repeat), so machine drift
 touches them alike; each line is one run.
 
@@ -23,7 +25,7 @@ import time
 from contextlib import contextmanager
 
 VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger", "ledger-everywhere",
-            "fixed-probes", "no-plain-anchor")
+            "fixed-probes", "no-plain-anchor", "full-vocab-steps")
 
 
 @contextmanager
@@ -39,10 +41,16 @@ def variant(name: str):
         init(self, *args, **kwargs)
         self.lookup = None
 
+    def full_vocab_steps(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.draft_options = {}
+
     def all_valued(self, rows, overhead, remaining=None, waiting=True):
         return values(self, rows, overhead, remaining, True)
     if name == "no-lookup-rows":
         RaggedEngine.__init__ = no_lookup_rows
+    if name == "full-vocab-steps":
+        RaggedEngine.__init__ = full_vocab_steps
     if name == "all-valued":
         DraftController.token_values = all_valued
     if name == "no-ledger":
@@ -77,6 +85,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--variants", default="ar,default,no-controller,no-lookup-rows,all-valued")
+    p.add_argument("--controller-off", action="store_true",
+                   help="every variant with adaptive=False: the rounds are a function of the prompts alone, so "
+                        "variants that only change how a step is computed run the very same rounds")
     args = p.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
@@ -92,7 +103,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         for name in names if repeat % 2 == 0 else names[::-1]:  # drift cancels in pairs of repeats
             options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-            if name == "no-controller":
+            if name == "no-controller" or args.controller_off:
                 options["adaptive"] = False
             with variant(name):
                 start = time.perf_counter()

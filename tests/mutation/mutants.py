@@ -135,6 +135,15 @@ MUTANTS = [
      "self.probe_gap = min(2 * self.probe_gap, self.PROBE_LIMIT)", "self.probe_gap = self.PROBE_EVERY", PROPOSALS),
     ("ledger-never-forgets", "proposals", "fast/proposals.py",
      "            self.ledger.forget()", "            pass", PROPOSALS),
+    # ---- the engine's lookup in front of a model, a restricted head's logits kept restricted
+    ("model-rows-ignore-the-engine-lookup", "lookup", "fast/engine.py",
+     "use = torch.as_tensor(lookup_rows, device=found.matched.device) | (found.matched > 0)",
+     "use = torch.as_tensor(lookup_rows, device=found.matched.device)", LOOKUP),
+    ("subset-argmax-not-mapped-to-tokens", "lookup", "fast/sampling.py",
+     "token, confidence = logits.token_ids[logits.values.argmax(dim=-1)], mode_probability(logits.values)",
+     "token, confidence = logits.values.argmax(dim=-1), mode_probability(logits.values)", LOOKUP),
+    ("engine-lookup-skips-the-history", "lookup", "fast/lookup_draft.py",
+     "            store_history(cache, self.model.config.num_hidden_layers, input_ids)\n", "", LOOKUP + FEATURES),
     # ---- drafts that read the target's features
     ("feature-input-off-by-one", "features", "fast/feature_draft.py",
      "before = self.data[rows, (index - 1).clamp(min=0)]", "before = self.data[rows, index.clamp(min=0)]", FEATURES),
