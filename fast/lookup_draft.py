@@ -27,11 +27,11 @@ from .reduced_head import full_logits
 
 
 def store_history(cache, layer: int, input_ids) -> torch.Tensor:
-    """Store the query tokens in cache layer `layer` as their K and V; returns the layer's history
-    [B, S] of token ids (whatever the mask hides included)."""
+    """Store the query tokens in cache layer `layer` as their K and V; returns the layer's keys
+    [B, 1, S, 1] (token ids as floats, whatever the mask hides included)."""
     ids = input_ids.to(torch.float32)[:, None, :, None]  # [B, 1, Q, 1]: one "head", one feature
     history, _ = cache.update(ids, ids, layer)
-    return history[:, 0, :, 0].round().long()
+    return history
 
 
 def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int, min_ngram: int = 1):
@@ -40,7 +40,7 @@ def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int, min_ngr
     Returns (proposal [B], matched [B]): the token after the latest earlier match of the row's last
     n tokens, n from max_ngram down to min_ngram, and that n (0 and the row's last token when nothing
     matches). Visible slots (mask 0 for the last query) form a contiguous range ending at the query."""
-    history = store_history(cache, layer, input_ids)
+    history = store_history(cache, layer, input_ids)[:, 0, :, 0].round().long()  # [B, S]
     visible = attention_mask[:, 0, -1, :] == 0
     token = torch.where(visible, history, torch.full_like(history, -1))
     position = torch.arange(history.shape[1], device=history.device)[None, :]
