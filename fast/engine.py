@@ -172,9 +172,12 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
                 lookup_step=None, remaining=None, waiting: bool = True) -> Proposals:
     """Run the draft step by step and apply the proposal rule (fast.proposals) to each row.
 
-    step_forward(step, ids) -> the draft's logits [R, V] at each row's last query (or SubsetLogits,
-    fast.reduced_head); ids is None at step 0 (the engine feeds each row's pending tokens), then the
-    previous proposals [R, 1].
+    step_forward(step, ids, needed) -> the draft's logits [R, V] at each row's last query (or
+    SubsetLogits, fast.reduced_head); ids is None at step 0 (the engine feeds each row's pending
+    tokens), then the previous proposals [R, 1]; needed [R] (host bools): the rows whose logits
+    this step are read, the model rows still drafting (a draft whose rows are independent computes
+    only those: fast.feature_draft's head; every other row's logits are never read, since a row
+    that stops drafting never resumes in the round and a lookup row takes the lookup's token).
     clamp: each row's min(k, remaining - 1). Drafting stops as soon as no row proposes. remaining
     (each row's tokens left) and waiting (whether requests wait for a row) tell the controller what
     a token saves (DraftController.token_values).
@@ -207,8 +210,9 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             active = limit > 0
             if not active.any():
                 break
-        if (active & ~lookup_rows).any():
-            logits = step_forward(step, ids)
+        needed = active & ~lookup_rows
+        if needed.any():
+            logits = step_forward(step, ids, needed)
             model_steps = step + 1
             if found is not None:  # lookup rows take the lookup's step, the others its match where it has one
                 use = torch.as_tensor(lookup_rows, device=found.matched.device) | (found.matched > 0)

@@ -175,14 +175,28 @@ class FeatureDraft(torch.nn.Module):
     def get_output_embeddings(self):
         return SimpleNamespace(weight=torch.empty(self.vocab_size, 0))  # its vocabulary: the target's
 
+    @property
+    def computes_row_subset(self) -> bool:
+        """Whether forward(rows=...) is understood: the feature head's rows are independent and it
+        keeps no K/V, so rows it does not compute leave nothing stale behind."""
+        return self.mlp
+
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, features=None,
-                logits_to_keep=0, subset_logits=False, **kwargs):
+                logits_to_keep=0, subset_logits=False, rows=None, **kwargs):
+        """rows (the feature head only): a tensor of batch rows to compute; every other row's outputs
+        are placeholders (logits 0 over the trained tokens, features 0) that the caller never reads
+        (fast.engine.draft_round: rows that no longer draft this round)."""
         if features is None:
             raise ValueError("a feature draft needs the target's features for its inputs (the ragged strategy "
                              "passes them)")
         features = features.to(self.head.weight.dtype)
         if self.mlp and logits_to_keep:  # every index stands alone: compute the kept queries only
             input_ids, features = input_ids[:, -int(logits_to_keep):], features[:, -int(logits_to_keep):]
+        if rows is not None and not self.mlp:
+            raise ValueError("only the feature head computes a subset of rows (a decoder layer keeps K/V)")
+        batch = input_ids.shape[0]
+        if rows is not None:
+            input_ids, features = input_ids[rows], features[rows]
         x = self.fc(torch.cat([self.embed(input_ids), features], dim=-1))
         if self.mlp:
             predicted = features + self.down(F.silu(x))
@@ -191,7 +205,11 @@ class FeatureDraft(torch.nn.Module):
             predicted = self.block(x, cos, sin, attention_mask, cache, 0)
         predicted = F.rms_norm(predicted, (predicted.shape[-1],), self.norm, self.eps)
         hidden = predicted[:, -int(logits_to_keep):] if logits_to_keep else predicted
-        logits = SubsetLogits(self.head(hidden), self.token_ids, self.vocab_size)
+        values = self.head(hidden)
+        if rows is not None:  # back to the whole batch: the rows not computed hold zeros
+            values = values.new_zeros((batch,) + values.shape[1:]).index_copy_(0, rows, values)
+            predicted = predicted.new_zeros((batch,) + predicted.shape[1:]).index_copy_(0, rows, predicted)
+        logits = SubsetLogits(values, self.token_ids, self.vocab_size)
         return SimpleNamespace(logits=logits if subset_logits else logits.full(), features=predicted)
 
 

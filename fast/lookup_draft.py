@@ -154,6 +154,12 @@ class LookupFirstDraft(torch.nn.Module):
         return bool(getattr(self.model, "returns_subset", False))
 
     @property
+    def computes_row_subset(self) -> bool:
+        """Whether forward(rows=...) is understood (by the model behind the lookup; the history layer
+        is stored for every row either way)."""
+        return bool(getattr(self.model, "computes_row_subset", False))
+
+    @property
     def lookup_proposals(self) -> int:
         """Last-query rows whose proposal came from the lookup so far (a statistic)."""
         return int(self._lookup_count)

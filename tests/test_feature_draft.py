@@ -1,6 +1,7 @@
 """fast.feature_draft: the feature draft computes its training function through any cache, the ragged
 engine feeds it the target's true features (buffer, pending tokens, f^ past the content), and
 generation stays exact; strategies that cannot keep features refuse it."""
+import functools
 import json
 
 import numpy as np
@@ -97,6 +98,30 @@ def run_with_trace(tmp_path, target, draft, batch_size, max_new, **options):
     return out, [json.loads(line) for line in open(path)][1:-1]
 
 
+def test_the_feature_head_computes_a_subset_of_rows_as_the_whole_batch_does():
+    """forward(rows=...) gives the computed rows what the whole batch's forward gives them (logits
+    and feature estimates), and zeros elsewhere; a feature draft with a decoder layer (K/V)
+    refuses it."""
+    target = tiny("llama", layers=2, seed=4)
+    draft, _ = feature_draft(target, seed=1, tokens=range(0, VOCAB, 3), head=True)
+    ids = torch.randint(0, VOCAB, (5, 3), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(5, 3, target.config.hidden_size, dtype=torch.float64)
+    rows = torch.tensor([1, 3, 4])
+    with torch.no_grad():
+        whole = draft(ids, features=features, logits_to_keep=1, subset_logits=True)
+        part = draft(ids, features=features, logits_to_keep=1, subset_logits=True, rows=rows)
+    assert draft.computes_row_subset and LookupFirstDraft(draft).computes_row_subset
+    # (equal up to rounding: a matrix product's blocking, hence its rounding, depends on its row count)
+    torch.testing.assert_close(part.logits.values[rows], whole.logits.values[rows], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(part.features[rows], whole.features[rows], rtol=1e-12, atol=1e-12)
+    for skipped in (0, 2):
+        assert not part.logits.values[skipped].any() and not part.features[skipped].any()
+    decoder, _ = feature_draft(target, seed=1)
+    assert not decoder.computes_row_subset
+    with pytest.raises(ValueError, match="subset of rows"):
+        decoder(ids, torch.arange(3)[None].expand(5, -1), causal(3, 3), DynamicCache(), features=features, rows=rows)
+
+
 @pytest.mark.parametrize("kind", sorted(DRAFTS))
 @pytest.mark.parametrize("batch_size,lookup", [(1, False), (3, False), (3, True)])
 def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true_features(tmp_path, batch_size, kind,
@@ -114,8 +139,21 @@ def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true
     max_new = [14, 9, 17, 6, 12]
     options = dict(draft_threshold=0.01, adaptive=False) if lookup else \
         dict(draft_threshold=0.0)  # adaptive: some rounds run no draft (pending grows)
+    computed = []  # rows the feature head computed at each step (only those still drafting by the model)
+    head = draft.model if lookup else draft
+    forward = head.forward
+
+    @functools.wraps(forward)  # the engine reads the forward's signature
+    def spy(*args, rows=None, **kwargs):
+        computed.append(None if rows is None else len(rows))
+        return forward(*args, rows=rows, **kwargs)
+    head.forward = spy
     out, rounds = run_with_trace(tmp_path, target, draft, batch_size, max_new, num_draft_tokens=3, **options)
     assert out.sequences == oracle(target, PROMPTS, max_new, [EOS])
+    if kind == "head" and batch_size > 1:  # the proposals checked below include steps of some rows only
+        assert any(n is not None for n in computed)
+    else:
+        assert all(n is None for n in computed)
     checked = 0
     with torch.no_grad():
         for round_ in rounds:

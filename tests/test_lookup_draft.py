@@ -149,11 +149,12 @@ def run_draft_round(matches, model_confident_steps, k=4):
     """draft_round on fakes: the model proposes token 7 while step < model_confident_steps[r], then
     nothing it is sure of; returns (proposals, model calls)."""
     from specbatch.fast.engine import Settings, draft_round
-    calls = []
+    calls, needs = [], []
     confident = torch.tensor(model_confident_steps)
 
-    def step_forward(step, ids):
+    def step_forward(step, ids, needed):
         calls.append(step)
+        needs.append(needed.tolist())
         logits = torch.zeros(len(confident), 40)
         logits[:, 7] = torch.where(confident > step, 100.0, 0.0)
         return logits
@@ -163,6 +164,7 @@ def run_draft_round(matches, model_confident_steps, k=4):
     rows = len(matches)
     proposals = draft_round(step_forward, settings, np.full(rows, k), torch.arange(rows),
                             torch.zeros(rows, dtype=torch.long), "cpu", FakeLookup(matches))
+    proposals.needed = needs  # per model step, the rows whose logits were read
     return proposals, calls
 
 
@@ -178,6 +180,10 @@ def test_draft_round_lookup_rows_follow_their_own_chain():
     proposals, calls = run_draft_round([{0, 2}, {1, 2}, set()], [4, 3, 0])
     assert proposals.proposed.tolist() == [1, 3, 0]
     assert proposals.drafted[1, :3].tolist() == [7, 21, 21] and calls == [0, 1, 2, 3]  # step 3: row 1 unsure
+    # the model's logits are read in the model rows still drafting, also where the lookup gives the
+    # token (a feature head needs that step's estimate next), never in a lookup row or a stopped row
+    assert proposals.needed == [[False, True, True], [False, True, False], [False, True, False],
+                                [False, True, False]]
 
 
 def test_draft_round_of_lookup_rows_alone_runs_no_model():

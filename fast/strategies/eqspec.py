@@ -83,7 +83,7 @@ class RectBatch:
         pending = self.uniform_pending  # the first step re-feeds the last `pending` columns of every row
         first = [width - pending]
 
-        def step_forward(step, ids):
+        def step_forward(step, ids, needed):  # every row is computed (its draft keeps K/V)
             ids = self.tokens[:, width - pending:] if ids is None else ids
             logits, _, _ = self.forward(self.draft, ids, first[0], self.draft_cache, found, last_only=True)
             first[0] += ids.shape[1]

@@ -85,6 +85,12 @@ class RaggedEngine:
             self.draft_options["engine_lookup"] = True
         if draft is not None and getattr(draft.model, "returns_subset", False):
             self.draft_options["subset_logits"] = True
+        # a draft whose rows are independent and keep no K/V (the feature head) computes, at each step,
+        # only the rows still drafting by the model (engine.draft_round's `needed`)
+        self.draft_row_subset = draft is not None and bool(getattr(draft.model, "computes_row_subset", False))
+        # the engine's attention groups rows by length: only for a model that runs it
+        self.grouped = {name: uses_engine_attention(runner.model) for name, runner in (("target", target),
+                                                                                       ("draft", draft)) if runner}
         # a feature draft (fast.feature_draft) reads the target's features of each row's content
         self.reads_features = draft is not None and draft.reads_features
         if self.reads_features:
@@ -111,8 +117,9 @@ class RaggedEngine:
             return LookupStep(proposal, matched, self.vocab, s.dtype)
         return step
 
-    def forward(self, name, query_index: np.ndarray, ids, found, last_only=False, features=None):
-        """One forward of `name` over the running slot rows 0..R-1 with per-row query indices."""
+    def forward(self, name, query_index: np.ndarray, ids, found, last_only=False, features=None, rows=None):
+        """One forward of `name` over the running slot rows 0..R-1 with per-row query indices.
+        rows: the draft's rows to compute (a device tensor; None: all), see draft_row_subset."""
         s = self.settings
         cache = self.caches[name]
         q = torch.as_tensor(query_index, device=s.device)
@@ -122,10 +129,13 @@ class RaggedEngine:
             slot = np.broadcast_to(np.arange(cache.kv_len), (len(query_index), cache.kv_len))
             found += check_positions(pos, query_index) + check_mask(mask, query_index, slot, s.window)
         runner = self.target if name == "target" else self.draft
-        kv_lens = query_index.max(axis=1) + 1  # each row's visible length: attention reads no further
+        # each row's visible length: the engine's attention reads no further
+        kv_lens = query_index.max(axis=1) + 1 if self.grouped[name] else None
         extra = {} if features is None else {"features": features}
         if name == "draft":
             extra.update(self.draft_options)
+            if rows is not None:
+                extra["rows"] = rows
         return runner(ids, pos, mask, cache, last_only=last_only, kv_lens=kv_lens, **extra), pos, mask
 
     def admit(self) -> None:
@@ -194,8 +204,10 @@ class RaggedEngine:
         requests, content_t = dev(self.request[rows]), dev(content)
         pending = int(self.draft_pending[rows].max()) if self.draft is not None else 1
 
-        def step_forward(step, ids):
-            features = None
+        def step_forward(step, ids, needed):
+            features, subset = None, None
+            if self.draft_row_subset and not needed.all():
+                subset = dev(np.nonzero(needed)[0])
             if ids is None:  # re-feed each row's last `pending` tokens (identical K/V where already cached)
                 query_index = content[:, None] - pending + np.arange(pending)[None, :]
                 ids = self.tokens[rows_dev[:, None], dev(np.maximum(query_index, 0))]
@@ -206,7 +218,8 @@ class RaggedEngine:
                 estimate = self.draft.last_features
                 if self.reads_features and estimate is not None:  # past the content: the draft's own estimate
                     features = estimate[:, -1:]                    # from the step before (else it reads none)
-            logits, _, _ = self.forward("draft", query_index, ids, found, last_only=True, features=features)
+            logits, _, _ = self.forward("draft", query_index, ids, found, last_only=True, features=features,
+                                        rows=subset)
             return logits[:, -1]
 
         with self.clock("time_draft"):

@@ -158,4 +158,13 @@ MUTANTS = [
     ("feature-head-keeps-first-queries", "features", "fast/feature_draft.py",
      "input_ids[:, -int(logits_to_keep):], features[:, -int(logits_to_keep):]",
      "input_ids[:, :int(logits_to_keep)], features[:, :int(logits_to_keep)]", FEATURES),
+    # ---- the feature head computes only the rows still drafting by the model
+    ("row-subset-scattered-to-first-rows", "features", "fast/feature_draft.py",
+     "values = values.new_zeros((batch,) + values.shape[1:]).index_copy_(0, rows, values)",
+     "values = values.new_zeros((batch,) + values.shape[1:]).index_copy_(0, torch.arange(len(rows)), values)",
+     FEATURES),
+    ("row-subset-skips-rows-the-lookup-matched", "features", "fast/engine.py",
+     "needed = active & ~lookup_rows",
+     "needed = active & ~lookup_rows & ~((found.matched > 0).cpu().numpy() if found is not None else False)",
+     LOOKUP + FEATURES),
 ]
