@@ -12,6 +12,12 @@ Variants (ragged, the default draft and options unless named):
   no-plain-anchor  no plain rounds measured at the start (the verify cost fitted through drafting rounds)
   full-vocab-steps  draft steps as before SubsetLogits: whole-vocabulary logits, and the lookup-first
                 draft runs its own lookup besides the engine's (the same proposals)
+  min-match-3   prompt lookup proposes only where 3 or more tokens match, at every batch size (the
+                lookup-first draft's min_match; its default is 2)
+  short-lookup  the lookup's 2-token matches propose at every batch size (the controller no longer asks
+                for 3 matching tokens from DraftController.LONG_MATCH_FROM_ROWS rows up)
+  all-draft-rows  the feature head computes every row at every draft step (before it computed only the
+                rows still drafting by the model; the same proposals up to rounding)
 Variants alternate inside each repeat (in reverse order every second repeat), so machine drift
 touches them alike; each line is one run.
 
@@ -25,17 +31,24 @@ import time
 from contextlib import contextmanager
 
 VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger", "ledger-everywhere",
-            "fixed-probes", "no-plain-anchor", "full-vocab-steps")
+            "fixed-probes", "no-plain-anchor", "full-vocab-steps", "all-draft-rows", "min-match-3",
+            "short-lookup")
 
 
 @contextmanager
-def variant(name: str):
-    """Patch the engine for one variant (the patches are undone afterwards)."""
+def variant(name: str, draft=None):
+    """Patch the engine (and the draft) for one variant (the patches are undone afterwards)."""
+    from specbatch.fast.lookup_draft import LookupFirstDraft
     from specbatch.fast.proposals import DraftController, RoundLedger
+    min_match = draft.min_match if isinstance(draft, LookupFirstDraft) else None
+    if name == "min-match-3":
+        if min_match is None:
+            raise SystemExit("min-match-3 needs a draft with prompt lookup in front (...+lookup)")
+        draft.min_match = 3
     from specbatch.fast.strategies.ragged import RaggedEngine
     init, values, losing = RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing
     ledger_rows, probe_limit = DraftController.LEDGER_FROM_ROWS, DraftController.PROBE_LIMIT
-    plain_samples = DraftController.PLAIN_SAMPLES
+    plain_samples, long_from = DraftController.PLAIN_SAMPLES, DraftController.LONG_MATCH_FROM_ROWS
 
     def no_lookup_rows(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -45,18 +58,26 @@ def variant(name: str):
         init(self, *args, **kwargs)
         self.draft_options = {}
 
+    def all_draft_rows(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.draft_row_subset = False
+
     def all_valued(self, rows, overhead, remaining=None, waiting=True):
         return values(self, rows, overhead, remaining, True)
     if name == "no-lookup-rows":
         RaggedEngine.__init__ = no_lookup_rows
     if name == "full-vocab-steps":
         RaggedEngine.__init__ = full_vocab_steps
+    if name == "all-draft-rows":
+        RaggedEngine.__init__ = all_draft_rows
     if name == "all-valued":
         DraftController.token_values = all_valued
     if name == "no-ledger":
         RoundLedger.losing = lambda self: False
     if name == "ledger-everywhere":
         DraftController.LEDGER_FROM_ROWS = 1
+    if name == "short-lookup":
+        DraftController.LONG_MATCH_FROM_ROWS = 10 ** 9
     if name == "no-plain-anchor":
         DraftController.PLAIN_SAMPLES = 0
     if name == "fixed-probes":
@@ -66,7 +87,9 @@ def variant(name: str):
     finally:
         RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing = init, values, losing
         DraftController.LEDGER_FROM_ROWS, DraftController.PROBE_LIMIT = ledger_rows, probe_limit
-        DraftController.PLAIN_SAMPLES = plain_samples
+        DraftController.PLAIN_SAMPLES, DraftController.LONG_MATCH_FROM_ROWS = plain_samples, long_from
+        if min_match is not None:
+            draft.min_match = min_match
 
 
 def main() -> None:
@@ -105,7 +128,7 @@ def main() -> None:
             options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
             if name == "no-controller" or args.controller_off:
                 options["adaptive"] = False
-            with variant(name):
+            with variant(name, draft):
                 start = time.perf_counter()
                 result = generate(target, None if name == "ar" else draft, ids, **options)
                 seconds = time.perf_counter() - start

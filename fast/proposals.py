@@ -23,7 +23,8 @@ verified tokens, estimates each row's chance to be accepted from the row's own r
 gives each row the cap whose proposals are expected to pay for their verify tokens, and runs only
 the draft steps whose measured yield pays for them (from TRIM_FROM_ROWS rows up); a round where
 every cap is 0 is a plain target step. Lookup rows (engine.draft_round) draft without model steps,
-so their cap is the one their verify tokens pay for. What an accepted token is worth depends on
+so their cap is the one their verify tokens pay for; from LONG_MATCH_FROM_ROWS rows up the
+controller asks the lookup for LONG_MATCH matching tokens (round_min_match). What an accepted token is worth depends on
 whether requests wait for a row (token_values). A ledger of whole drafting rounds (RoundLedger:
 seconds their accepted tokens saved minus their draft and extra verify seconds) turns drafting off
 while it loses, probing at gaps that grow while the probes lose; from 3 rows up the first rounds
@@ -232,6 +233,14 @@ class DraftController:
     # Spec-Bench prompts, 977 rounds against 1,027), while at batch 8 the same tokens, ~2.5 ms each,
     # cost 7% in four alternating pairs (0.95x against 1.02x target-only).
     FLOOR_BELOW_ROWS = 3
+    # From this many rows up a prompt lookup proposes only where at least LONG_MATCH tokens match (the
+    # lookup-first draft's own min_match, 2 by default, below): in Spec-Bench at batch 13 the head behind
+    # lookup had 46% of its 2-token matches accepted (34% where the head disagreed) against 71% of
+    # longer ones, and there the rows without a long match draft by the feature head instead. At batch 1,
+    # where a verify token costs ~2% of a round, the 2-token matches pay (0.95x without them; batch 4
+    # and 8 gained 3-6%; benchmarks/controller_ab.py --variants default,short-lookup).
+    LONG_MATCH_FROM_ROWS = 3
+    LONG_MATCH = 3
     # The round ledger stops drafting from this many rows up. Below it an accepted token is worth a
     # large share of a round, and the ledger's false alarms cost more than it saves: each fresh answer
     # opens with rounds whose proposals are mostly rejected, and `specbatch demo` (batch 2, short
@@ -308,6 +317,12 @@ class DraftController:
         """The floor of a round of `rows` rows: the run's, or the threshold (no token below it is
         proposed) in adaptive rounds of FLOOR_BELOW_ROWS rows or more."""
         return threshold if self.adaptive and self.k and rows >= self.FLOOR_BELOW_ROWS else floor
+
+    def round_min_match(self, rows: int, min_match: int) -> int:
+        """The matching tokens a prompt lookup needs in a round of `rows` rows: the draft's own
+        min_match, or LONG_MATCH in adaptive rounds of LONG_MATCH_FROM_ROWS rows or more."""
+        long = self.adaptive and self.k and rows >= self.LONG_MATCH_FROM_ROWS
+        return max(min_match, self.LONG_MATCH) if long else min_match
 
     def best_caps(self, histories, clamp: np.ndarray, remaining=None, waiting: bool = True):
         """(caps, lookup_caps): lookup_caps are the caps whose proposals pay for their verify tokens;

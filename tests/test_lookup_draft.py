@@ -222,15 +222,18 @@ def test_greedy_drafts_a_lookup_step_as_it_drafts_its_logits(vocab):
     assert token[step.matched == 0].eq(0).all() and confidence[step.matched == 0].lt(0.5).all()
 
 
-@pytest.mark.parametrize("reduced", [False, True])
-def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_path, reduced):
+@pytest.mark.parametrize("reduced,adaptive", [(False, False), (True, False), (False, True)])
+def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_path, reduced, adaptive):
     """The ragged engine runs the prompt lookup itself (lookup rows; engine_lookup=True, so the draft
     skips its own), and a restricted head's logits stay restricted there (SubsetLogits). Every traced
     proposal and its confidence must still be the lookup-first draft's, run from scratch over the
     row's content and earlier proposals: the model's token and confidence where no n-gram matches,
-    the lookup's token (confidence 1) where one does, in lookup rows and model rows alike."""
+    the lookup's token (confidence 1) where one does, in lookup rows and model rows alike. With the
+    controller on, rounds of 3 rows or more ask for 3 matching tokens (DraftController.round_min_match):
+    the draft from scratch is then the lookup-first draft with min_match 3."""
     import json
     from specbatch.fast.cache import rect_inputs
+    from specbatch.fast.proposals import DraftController
     from specbatch.fast.reduced_head import ReducedHeadDraft
     target = tiny("llama")
     model = tiny("llama", layers=1, seed=5)
@@ -238,12 +241,15 @@ def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_pa
     draft = LookupFirstDraft(inner)
     prompts = repetitive_prompts()
     path = tmp_path / "trace.jsonl"
+    options = dict(adaptive=True, draft_floor=0.01) if adaptive else dict(adaptive=False)
     result = specbatch.generate(target, draft, prompts, max_new_tokens=14, num_draft_tokens=4, batch_size=3,
-                                draft_threshold=0.01, adaptive=False, trace=path, check_invariants=True)
+                                draft_threshold=0.01, trace=path, check_invariants=True, **options)
     assert result.sequences == oracle(target, prompts, 14, [EOS])
-    counts = {"lookup": 0, "model": 0}
+    counts = {"lookup": 0, "model": 0, "long": 0}
     with torch.no_grad():
         for round_ in [json.loads(line) for line in open(path)][1:-1]:
+            long = adaptive and len(round_["rows"]) >= DraftController.LONG_MATCH_FROM_ROWS
+            draft.min_match = DraftController.LONG_MATCH if long else 2
             for row in round_["rows"]:
                 ids = row["tokens"][:row["content_len"]]
                 for proposal, confidence in zip(row["drafted"], row["draft_confidence"]):
@@ -252,5 +258,8 @@ def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_pa
                     assert int(logits.argmax()) == proposal
                     assert confidence == pytest.approx(float(torch.softmax(logits.float(), -1).max()), rel=1e-5)
                     counts["lookup" if confidence == 1.0 else "model"] += 1
+                    counts["long"] += long
                     ids = ids + [proposal]
+    draft.min_match = 2
     assert counts["lookup"] >= 10 and counts["model"] >= 10
+    assert counts["long"] >= 10 if adaptive else counts["long"] == 0

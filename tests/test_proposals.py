@@ -60,6 +60,15 @@ def test_the_floor_proposes_the_step_that_stops_a_row():
     assert [v.row for v in check_proposal_lengths([1, 1, 1, 2], confidence, limit, 0.7, 0.2)] == [0]
 
 
+def test_lookups_need_longer_matches_from_three_rows_up_with_the_controller_on():
+    from specbatch.fast.proposals import DraftController
+    on, off = DraftController(4, adaptive=True), DraftController(4, adaptive=False)
+    assert [on.round_min_match(rows, 2) for rows in (1, 2, 3, 13)] == [2, 2, 3, 3]
+    assert [off.round_min_match(rows, 2) for rows in (1, 3, 13)] == [2, 2, 2]  # --fixed-k: the draft's own
+    assert on.round_min_match(13, 4) == 4 and on.round_min_match(1, 1) == 1  # never below the draft's own
+    assert DraftController(0, adaptive=True).round_min_match(13, 2) == 2  # k = 0 drafts nothing anyway
+
+
 def test_a_length_that_follows_a_neighbour_breaks_the_rule():
     confidence = np.array([[0.9, 0.9, 0.1], [0.9, 0.1, 0.9]])
     limit = np.array([3, 3])

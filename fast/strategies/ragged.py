@@ -103,6 +103,9 @@ class RaggedEngine:
         lookup over each row's tokens (content 0..c_i - 1, then the round's proposals), run on the
         token buffer itself (no cache: a round of lookup rows alone leaves the draft's cache as it is)."""
         s, rows = self.settings, len(content)
+        min_match = self.lookup.min_match  # the controller asks for longer matches in larger rounds
+        if s.controller is not None:
+            min_match = min(s.controller.round_min_match(rows, min_match), self.lookup.max_ngram)
         width = int(content.max()) + s.k
         work = self.tokens[rows_dev, :width].clone()
         length = torch.as_tensor(content, device=s.device)
@@ -113,7 +116,7 @@ class RaggedEngine:
             if ids is not None:  # the previous step's tokens follow each row's content
                 work[row_index, length + step - 1] = ids[:, 0]
             history = torch.where(column < (length + step)[:, None], work, torch.full_like(work, -1))
-            proposal, matched = latest_match(history, length + step - 1, self.lookup.max_ngram, self.lookup.min_match)
+            proposal, matched = latest_match(history, length + step - 1, self.lookup.max_ngram, min_match)
             return LookupStep(proposal, matched, self.vocab, s.dtype)
         return step
 

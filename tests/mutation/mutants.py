@@ -144,6 +144,12 @@ MUTANTS = [
      "token, confidence = logits.values.argmax(dim=-1), mode_probability(logits.values)", LOOKUP),
     ("engine-lookup-skips-the-history", "lookup", "fast/lookup_draft.py",
      "            store_history(cache, self.model.config.num_hidden_layers, input_ids)\n", "", LOOKUP + FEATURES),
+    ("lookup-ignores-the-rounds-min-match", "lookup", "fast/strategies/ragged.py",
+     "min_match = min(s.controller.round_min_match(rows, min_match), self.lookup.max_ngram)",
+     "min_match = min(min_match, self.lookup.max_ngram)", LOOKUP),
+    ("long-match-in-every-round", "proposals", "fast/proposals.py",
+     "long = self.adaptive and self.k and rows >= self.LONG_MATCH_FROM_ROWS", "long = self.adaptive and self.k",
+     PROPOSALS),
     # ---- drafts that read the target's features
     ("feature-input-off-by-one", "features", "fast/feature_draft.py",
      "before = self.data[rows, (index - 1).clamp(min=0)]", "before = self.data[rows, index.clamp(min=0)]", FEATURES),
