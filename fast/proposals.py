@@ -235,10 +235,11 @@ class DraftController:
     FLOOR_BELOW_ROWS = 3
     # From this many rows up a prompt lookup proposes only where at least LONG_MATCH tokens match (the
     # lookup-first draft's own min_match, 2 by default, below): in Spec-Bench at batch 13 the head behind
-    # lookup had 46% of its 2-token matches accepted (34% where the head disagreed) against 71% of
-    # longer ones, and there the rows without a long match draft by the feature head instead. At batch 1,
-    # where a verify token costs ~2% of a round, the 2-token matches pay (0.95x without them; batch 4
-    # and 8 gained 3-6%; benchmarks/controller_ab.py --variants default,short-lookup).
+    # lookup had 46% of its 2-token matches accepted (34% where the head disagreed) against 73% of
+    # longer ones (benchmarks/lookup_acceptance.py), and the rows without a long match draft by the
+    # feature head instead. At batch 1, where a verify token costs ~1 ms of a round, the 2-token matches
+    # pay (0.93x and 0.97x without them), while batch 4 and 8 gained 3-6% (benchmarks/controller_ab.py
+    # --variants default,min-match-3, before this rule; short-lookup switches it off).
     LONG_MATCH_FROM_ROWS = 3
     LONG_MATCH = 3
     # The round ledger stops drafting from this many rows up. Below it an accepted token is worth a
