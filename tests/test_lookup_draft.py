@@ -223,7 +223,7 @@ def test_greedy_drafts_a_lookup_step_as_it_drafts_its_logits(vocab):
 
 
 @pytest.mark.parametrize("reduced,adaptive", [(False, False), (True, False), (False, True)])
-def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_path, reduced, adaptive):
+def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_path, monkeypatch, reduced, adaptive):
     """The ragged engine runs the prompt lookup itself (lookup rows; engine_lookup=True, so the draft
     skips its own), and a restricted head's logits stay restricted there (SubsetLogits). Every traced
     proposal and its confidence must still be the lookup-first draft's, run from scratch over the
@@ -242,10 +242,13 @@ def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_pa
     prompts = repetitive_prompts()
     path = tmp_path / "trace.jsonl"
     options = dict(adaptive=True, draft_floor=0.01) if adaptive else dict(adaptive=False)
+    if adaptive:  # the controller's rules by row count, without its timing-dependent caps: every row drafts
+        monkeypatch.setattr(DraftController, "row_caps", lambda self, requests, clamp, remaining=None, waiting=True:
+                            (np.asarray(clamp), np.asarray(clamp)))
     result = specbatch.generate(target, draft, prompts, max_new_tokens=14, num_draft_tokens=4, batch_size=3,
                                 draft_threshold=0.01, trace=path, check_invariants=True, **options)
     assert result.sequences == oracle(target, prompts, 14, [EOS])
-    counts = {"lookup": 0, "model": 0, "long": 0}
+    counts = {"lookup": 0, "model": 0, "long": 0, "differs": 0}
     with torch.no_grad():
         for round_ in [json.loads(line) for line in open(path)][1:-1]:
             long = adaptive and len(round_["rows"]) >= DraftController.LONG_MATCH_FROM_ROWS
@@ -259,7 +262,12 @@ def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_pa
                     assert confidence == pytest.approx(float(torch.softmax(logits.float(), -1).max()), rel=1e-5)
                     counts["lookup" if confidence == 1.0 else "model"] += 1
                     counts["long"] += long
+                    if long:  # would the draft's own min_match have proposed something else here?
+                        draft.min_match = 2
+                        short = draft(torch.tensor([ids]), pos, mask, DynamicCache()).logits[0, -1]
+                        counts["differs"] += int(short.argmax()) != proposal
+                        draft.min_match = DraftController.LONG_MATCH
                     ids = ids + [proposal]
     draft.min_match = 2
     assert counts["lookup"] >= 10 and counts["model"] >= 10
-    assert counts["long"] >= 10 if adaptive else counts["long"] == 0
+    assert counts["long"] >= 10 and counts["differs"] >= 1 if adaptive else counts["long"] == 0
