@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +45,8 @@ def table(reached: np.ndarray) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    from specbatch import generate
-    from specbatch.bench import select_prompts
-    from specbatch.fast.loading import load_draft, load_model
-    from specbatch.prepare import encode_prompts
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of a run in which every row drafts its whole limit (also lookup_acceptance.py)."""
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)
     p.add_argument("--prompts", required=True)
@@ -59,8 +55,16 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=13)
     p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--out", default=None, help="write the table as JSON here too")
-    args = p.parse_args()
+
+
+@contextmanager
+def drafting_trace(args):
+    """Run generate with threshold 0 and no controller, tracing every round: yields (target, the
+    trace's path, the encoded prompts); the trace is removed afterwards."""
+    from specbatch import generate
+    from specbatch.bench import select_prompts
+    from specbatch.fast.loading import load_draft, load_model
+    from specbatch.prepare import encode_prompts
     target, tokenizer = load_model(args.target, "float32")
     draft, _ = load_draft(args.draft, target, "float32", "cpu")
     prompts = select_prompts(args.prompts, args.per_category)
@@ -69,6 +73,15 @@ def main() -> None:
         trace = Path(folder) / "trace.jsonl"
         generate(target, draft, ids, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                  num_draft_tokens=args.num_draft_tokens, draft_threshold=0.0, adaptive=False, trace=trace)
+        yield target, trace, ids
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(p)
+    p.add_argument("--out", default=None, help="write the table as JSON here too")
+    args = p.parse_args()
+    with drafting_trace(args) as (_, trace, ids):
         reached = reached_proposals(trace)
     rows = table(reached)
     print(f"{len(reached)} proposals reached (earlier ones accepted), {len(ids)} prompts")

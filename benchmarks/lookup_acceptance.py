@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from collections import defaultdict
-from pathlib import Path
 
 
 def longest_match(seq: list) -> tuple[int, list]:
@@ -66,31 +64,16 @@ def lookup_proposals(trace_path, head=None, target=None) -> list[dict]:
 
 
 def main() -> None:
-    from specbatch import generate
-    from specbatch.bench import select_prompts
-    from specbatch.fast.loading import load_draft, load_model
-    from specbatch.prepare import encode_prompts
+    from draft_calibration import add_run_arguments, drafting_trace
+
+    from specbatch.fast.loading import load_draft
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True, help="a lookup-first draft (...+lookup)")
-    p.add_argument("--prompts", required=True)
-    p.add_argument("--per-category", type=int, default=0)
-    p.add_argument("--chat-template", action="store_true")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=13)
-    p.add_argument("--num-draft-tokens", type=int, default=4)
+    add_run_arguments(p)  # --draft: a lookup-first draft (...+lookup)
     p.add_argument("--head", default=None, help="a feature draft to compare with (e.g. smollm2-head)")
     args = p.parse_args()
-    target, tokenizer = load_model(args.target, "float32")
-    draft, _ = load_draft(args.draft, target, "float32", "cpu")
-    head = load_draft(args.head, target, "float32", "cpu")[0] if args.head else None
-    ids = encode_prompts([text for _, text in select_prompts(args.prompts, args.per_category)], tokenizer,
-                         args.chat_template)
-    with tempfile.TemporaryDirectory() as folder:
-        trace = Path(folder) / "trace.jsonl"
-        generate(target, draft, ids, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                 num_draft_tokens=args.num_draft_tokens, draft_threshold=0.0, adaptive=False, trace=trace)
+    with drafting_trace(args) as (target, trace, ids):
+        head = load_draft(args.head, target, "float32", "cpu")[0] if args.head else None
         proposals = lookup_proposals(trace, head, target)
     groups = defaultdict(list)
     for x in proposals:
