@@ -16,8 +16,13 @@ Variants (ragged, the default draft and options unless named):
                 lookup-first draft's min_match; its default is 2)
   short-lookup  the lookup's 2-token matches propose at every batch size (the controller no longer asks
                 for 3 matching tokens from DraftController.LONG_MATCH_FROM_ROWS rows up)
+  floor-everywhere  the floor (draft_floor: a row proposes the token of the step that stops it when its
+                confidence is at least the floor) at every batch size (the controller raises the round's floor
+                to the threshold from DraftController.FLOOR_BELOW_ROWS rows up)
   all-draft-rows  the feature head computes every row at every draft step (before it computed only the
                 rows still drafting by the model; the same proposals up to rounding)
+  threshold-T   the default with draft_threshold T (e.g. threshold-0.5)
+  k-N           the default with N draft tokens (num_draft_tokens; e.g. k-6)
 Variants alternate inside each repeat (in reverse order every second repeat), so machine drift
 touches them alike; each line is one run.
 
@@ -32,7 +37,7 @@ from contextlib import contextmanager
 
 VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger", "ledger-everywhere",
             "fixed-probes", "no-plain-anchor", "full-vocab-steps", "all-draft-rows", "min-match-3",
-            "short-lookup")
+            "short-lookup", "floor-everywhere")
 
 
 @contextmanager
@@ -49,6 +54,7 @@ def variant(name: str, draft=None):
     init, values, losing = RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing
     ledger_rows, probe_limit = DraftController.LEDGER_FROM_ROWS, DraftController.PROBE_LIMIT
     plain_samples, long_from = DraftController.PLAIN_SAMPLES, DraftController.LONG_MATCH_FROM_ROWS
+    floor_below = DraftController.FLOOR_BELOW_ROWS
 
     def no_lookup_rows(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -78,6 +84,8 @@ def variant(name: str, draft=None):
         DraftController.LEDGER_FROM_ROWS = 1
     if name == "short-lookup":
         DraftController.LONG_MATCH_FROM_ROWS = 10 ** 9
+    if name == "floor-everywhere":
+        DraftController.FLOOR_BELOW_ROWS = 10 ** 9
     if name == "no-plain-anchor":
         DraftController.PLAIN_SAMPLES = 0
     if name == "fixed-probes":
@@ -88,6 +96,7 @@ def variant(name: str, draft=None):
         RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing = init, values, losing
         DraftController.LEDGER_FROM_ROWS, DraftController.PROBE_LIMIT = ledger_rows, probe_limit
         DraftController.PLAIN_SAMPLES, DraftController.LONG_MATCH_FROM_ROWS = plain_samples, long_from
+        DraftController.FLOOR_BELOW_ROWS = floor_below
         if min_match is not None:
             draft.min_match = min_match
 
@@ -111,9 +120,11 @@ def main() -> None:
     p.add_argument("--controller-off", action="store_true",
                    help="every variant with adaptive=False: the rounds are a function of the prompts alone, so "
                         "variants that only change how a step is computed run the very same rounds")
+    p.add_argument("--draft-threshold", type=float, default=None, help="generate's draft_threshold (default: its own)")
+    p.add_argument("--draft-floor", type=float, default=None, help="generate's draft_floor (default: its own)")
     args = p.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v not in VARIANTS and not v.startswith(("threshold-", "k-"))]
     if unknown:
         p.error(f"unknown variant {unknown[0]!r}; expected some of {', '.join(VARIANTS)}")
     target, tokenizer = load_model(args.target, "float32")
@@ -126,6 +137,13 @@ def main() -> None:
     for repeat in range(args.repeats):
         for name in names if repeat % 2 == 0 else names[::-1]:  # drift cancels in pairs of repeats
             options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+            if name.startswith("threshold-"):
+                options["draft_threshold"] = float(name.split("-", 1)[1])
+            if name.startswith("k-"):
+                options["num_draft_tokens"] = int(name.split("-", 1)[1])
+            for key in ("draft_threshold", "draft_floor"):
+                if getattr(args, key) is not None and name != "ar" and key not in options:
+                    options[key] = getattr(args, key)
             if name == "no-controller" or args.controller_off:
                 options["adaptive"] = False
             with variant(name, draft):

@@ -8,8 +8,8 @@ the tokens it verifies at this batch size (the draft's own cost is not counted).
     python benchmarks/verify_width.py --target smollm2 --prompts question.jsonl --per-category 1 \
         --chat-template [--batch-size 13] [--ks 0,1,2,3,4,6] [--padding both]
 
---padding both runs every width twice in a row, with fast.kernels' row padding (PADDED_ROWS) and
-without it, to measure what the padding buys.
+--padding both runs every width twice in a row, with two rows padded to three (fast.kernels.PADDED_ROWS
+on AVX-512 CPUs) and without, to measure what the padding buys on this CPU.
 """
 from __future__ import annotations
 
@@ -33,12 +33,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=13)
     p.add_argument("--max-new-tokens", type=int, default=49)
     p.add_argument("--ks", default="0,1,2,3,4,6")
-    p.add_argument("--padding", choices=["on", "off", "both"], default="on",
-                   help="fast.kernels.PADDED_ROWS as it is (on), emptied (off), or each width with both")
+    p.add_argument("--padding", choices=["machine", "on", "off", "both"], default="machine",
+                   help="fast.kernels.PADDED_ROWS as this CPU has it (machine), two rows padded to three as on "
+                        "AVX-512 CPUs (on), no padding (off), or each width with both")
     args = p.parse_args()
     from specbatch.fast import kernels
-    padded_rows = dict(kernels.PADDED_ROWS)
-    settings = {"on": [True], "off": [False], "both": [True, False]}[args.padding]
+    padded_rows = kernels.padded_rows_for("AVX512")
+    settings = {"machine": [None], "on": [True], "off": [False], "both": [True, False]}[args.padding]
+    machine = dict(kernels.PADDED_ROWS)
     target, tokenizer = load_model(args.target, "float32")
     prompts = select_prompts(args.prompts, args.per_category)
     ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)[:args.batch_size]
@@ -47,14 +49,14 @@ def main() -> None:
     print(f"batch {len(ids)}: | k | padding | verified tokens per row | rounds | verify ms per round | "
           "ms per verified token |")
     for k, padding in ((int(x), padding) for x in args.ks.split(",") for padding in settings):
-        kernels.PADDED_ROWS = padded_rows if padding else {}
+        kernels.PADDED_ROWS = machine if padding is None else padded_rows if padding else {}
         options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
         if k:
             result = generate(target, draft, ids, num_draft_tokens=k, draft_threshold=0.0, adaptive=False, **options)
         else:
             result = generate(target, None, ids, **options)
         per_round = 1000 * result.stats["time_verify"] / result.stats["rounds"]
-        print(f"| {k} | {'on' if padding else 'off'} | {k + 1} | {result.stats['rounds']} | {per_round:.1f} | {per_round / len(ids) / (k + 1):.2f} |")
+        print(f"| {k} | {'machine' if padding is None else 'on' if padding else 'off'} | {k + 1} | {result.stats['rounds']} | {per_round:.1f} | {per_round / len(ids) / (k + 1):.2f} |")
 
 
 if __name__ == "__main__":
