@@ -37,7 +37,7 @@ from contextlib import contextmanager
 
 VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger", "ledger-everywhere",
             "fixed-probes", "no-plain-anchor", "full-vocab-steps", "all-draft-rows", "min-match-3",
-            "short-lookup", "floor-everywhere")
+            "short-lookup", "floor-everywhere", "valued-floor")
 
 
 @contextmanager
@@ -84,6 +84,18 @@ def variant(name: str, draft=None):
         DraftController.LEDGER_FROM_ROWS = 1
     if name == "short-lookup":
         DraftController.LONG_MATCH_FROM_ROWS = 10 ** 9
+    round_floor = DraftController.round_floor
+
+    def valued_floor(self, rows, floor, threshold):
+        import numpy as np
+        if not (self.adaptive and self.k) or rows < self.FLOOR_BELOW_ROWS:
+            return floor
+        if self.values is None or len(self.values) != rows:
+            return threshold
+        token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)
+        return np.clip(2 * token_seconds / np.maximum(self.values, 1e-12), floor, threshold)
+    if name == "valued-floor":
+        DraftController.round_floor = valued_floor
     if name == "floor-everywhere":
         DraftController.FLOOR_BELOW_ROWS = 10 ** 9
     if name == "no-plain-anchor":
@@ -97,6 +109,7 @@ def variant(name: str, draft=None):
         DraftController.LEDGER_FROM_ROWS, DraftController.PROBE_LIMIT = ledger_rows, probe_limit
         DraftController.PLAIN_SAMPLES, DraftController.LONG_MATCH_FROM_ROWS = plain_samples, long_from
         DraftController.FLOOR_BELOW_ROWS = floor_below
+        DraftController.round_floor = round_floor
         if min_match is not None:
             draft.min_match = min_match
 
