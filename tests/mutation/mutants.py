@@ -14,6 +14,7 @@ LOOKUP = ["tests/test_lookup_draft.py"]
 PROPOSALS = ["tests/test_proposals.py"]
 SCHEDULING = ["tests/test_scheduling.py", "tests/test_fast_engine.py"]
 FEATURES = ["tests/test_feature_draft.py"]
+KERNELS = ["tests/test_kernels.py"]
 
 MUTANTS = [
     # ---- masks
@@ -173,4 +174,10 @@ MUTANTS = [
      "needed = active & ~lookup_rows",
      "needed = active & ~lookup_rows & ~((found.matched > 0).cpu().numpy() if found is not None else False)",
      LOOKUP + FEATURES),
+    # ---- prepacked linears: two rows padded to three on AVX-512 CPUs only (session 12)
+    ("rows-padded-on-every-cpu", "kernels", "fast/kernels.py",
+     'return {2: 3} if capability.upper().startswith("AVX512") else {}', "return {2: 3}", KERNELS),
+    ("padded-product-keeps-the-wrong-rows", "kernels", "fast/kernels.py",
+     "return out[:rows].reshape(*x.shape[:-1], out.shape[-1])",
+     "return out[-rows:].reshape(*x.shape[:-1], out.shape[-1])", KERNELS),
 ]
