@@ -21,6 +21,7 @@ Variants (ragged, the default draft and options unless named):
                 to the threshold from DraftController.FLOOR_BELOW_ROWS rows up)
   all-draft-rows  the feature head computes every row at every draft step (before it computed only the
                 rows still drafting by the model; the same proposals up to rounding)
+  padded-rows   two-row products padded to three rows (fast.kernels.PADDED_ROWS as on AVX-512 CPUs)
   threshold-T   the default with draft_threshold T (e.g. threshold-0.5)
   k-N           the default with N draft tokens (num_draft_tokens; e.g. k-6)
 Variants alternate inside each repeat (in reverse order every second repeat), so machine drift
@@ -37,7 +38,7 @@ from contextlib import contextmanager
 
 VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "no-ledger", "ledger-everywhere",
             "fixed-probes", "no-plain-anchor", "full-vocab-steps", "all-draft-rows", "min-match-3",
-            "short-lookup", "floor-everywhere", "valued-floor")
+            "short-lookup", "floor-everywhere", "valued-floor", "padded-rows")
 
 
 @contextmanager
@@ -94,6 +95,10 @@ def variant(name: str, draft=None):
             return threshold
         token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)
         return np.clip(2 * token_seconds / np.maximum(self.values, 1e-12), floor, threshold)
+    from specbatch.fast import kernels
+    padded_rows = kernels.PADDED_ROWS
+    if name == "padded-rows":
+        kernels.PADDED_ROWS = kernels.padded_rows_for("AVX512")
     if name == "valued-floor":
         DraftController.round_floor = valued_floor
     if name == "floor-everywhere":
@@ -110,6 +115,7 @@ def variant(name: str, draft=None):
         DraftController.PLAIN_SAMPLES, DraftController.LONG_MATCH_FROM_ROWS = plain_samples, long_from
         DraftController.FLOOR_BELOW_ROWS = floor_below
         DraftController.round_floor = round_floor
+        kernels.PADDED_ROWS = padded_rows
         if min_match is not None:
             draft.min_match = min_match
 
