@@ -56,7 +56,7 @@ def padded_rows_for(capability: str) -> dict:
     --batch-size 1 --padding both):
     - AVX-512 (session 9's machine): two rows took longer than three, a verify of 2 tokens 49.3 ms,
       of 3 tokens 44.2 ms, of 2 tokens padded to 3 45.8 ms (medians of 15): pad 2 to 3;
-    - AVX2 (sessions 10-12): two rows are not slower, and padding them cost ~10 ms of a ~115 ms
+    - AVX2 (session 12's machine): two rows are not slower, and padding them cost ~10 ms of a ~115 ms
       verify (8 alternating pairs padded against unpadded, 7 slower padded, mean +10 ms): no padding."""
     return {2: 3} if capability.upper().startswith("AVX512") else {}
 
