@@ -44,80 +44,56 @@ VARIANTS = ("ar", "default", "no-controller", "no-lookup-rows", "all-valued", "n
 @contextmanager
 def variant(name: str, draft=None):
     """Patch the engine (and the draft) for one variant (the patches are undone afterwards)."""
+    import numpy as np
+
+    from specbatch.fast import kernels
     from specbatch.fast.lookup_draft import LookupFirstDraft
     from specbatch.fast.proposals import DraftController, RoundLedger
-    min_match = draft.min_match if isinstance(draft, LookupFirstDraft) else None
-    if name == "min-match-3":
-        if min_match is None:
-            raise SystemExit("min-match-3 needs a draft with prompt lookup in front (...+lookup)")
-        draft.min_match = 3
     from specbatch.fast.strategies.ragged import RaggedEngine
-    init, values, losing = RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing
-    ledger_rows, probe_limit = DraftController.LEDGER_FROM_ROWS, DraftController.PROBE_LIMIT
-    plain_samples, long_from = DraftController.PLAIN_SAMPLES, DraftController.LONG_MATCH_FROM_ROWS
-    floor_below = DraftController.FLOOR_BELOW_ROWS
+    if name == "min-match-3" and not isinstance(draft, LookupFirstDraft):
+        raise SystemExit("min-match-3 needs a draft with prompt lookup in front (...+lookup)")
+    init, values = RaggedEngine.__init__, DraftController.token_values
 
-    def no_lookup_rows(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.lookup = None
-
-    def full_vocab_steps(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.draft_options = {}
-
-    def all_draft_rows(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.draft_row_subset = False
+    def engine_with(attribute, value):
+        def patched(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            setattr(self, attribute, value)
+        return patched
 
     def all_valued(self, rows, overhead, remaining=None, waiting=True):
         return values(self, rows, overhead, remaining, True)
-    if name == "no-lookup-rows":
-        RaggedEngine.__init__ = no_lookup_rows
-    if name == "full-vocab-steps":
-        RaggedEngine.__init__ = full_vocab_steps
-    if name == "all-draft-rows":
-        RaggedEngine.__init__ = all_draft_rows
-    if name == "all-valued":
-        DraftController.token_values = all_valued
-    if name == "no-ledger":
-        RoundLedger.losing = lambda self: False
-    if name == "ledger-everywhere":
-        DraftController.LEDGER_FROM_ROWS = 1
-    if name == "short-lookup":
-        DraftController.LONG_MATCH_FROM_ROWS = 10 ** 9
-    round_floor = DraftController.round_floor
 
     def valued_floor(self, rows, floor, threshold):
-        import numpy as np
         if not (self.adaptive and self.k) or rows < self.FLOOR_BELOW_ROWS:
             return floor
         if self.values is None or len(self.values) != rows:
             return threshold
         token_seconds = self.verify_cost(rows + 1) - self.verify_cost(rows)
         return np.clip(2 * token_seconds / np.maximum(self.values, 1e-12), floor, threshold)
-    from specbatch.fast import kernels
-    padded_rows = kernels.PADDED_ROWS
-    if name == "padded-rows":
-        kernels.PADDED_ROWS = kernels.padded_rows_for("AVX512")
-    if name == "valued-floor":
-        DraftController.round_floor = valued_floor
-    if name == "floor-everywhere":
-        DraftController.FLOOR_BELOW_ROWS = 10 ** 9
-    if name == "no-plain-anchor":
-        DraftController.PLAIN_SAMPLES = 0
-    if name == "fixed-probes":
-        DraftController.PROBE_LIMIT = DraftController.PROBE_EVERY
+
+    patches = {  # variant -> (owner, attribute, value while it runs)
+        "no-lookup-rows": [(RaggedEngine, "__init__", engine_with("lookup", None))],
+        "full-vocab-steps": [(RaggedEngine, "__init__", engine_with("draft_options", {}))],  # read, never written
+        "all-draft-rows": [(RaggedEngine, "__init__", engine_with("draft_row_subset", False))],
+        "all-valued": [(DraftController, "token_values", all_valued)],
+        "no-ledger": [(RoundLedger, "losing", lambda self: False)],
+        "ledger-everywhere": [(DraftController, "LEDGER_FROM_ROWS", 1)],
+        "short-lookup": [(DraftController, "LONG_MATCH_FROM_ROWS", 10 ** 9)],
+        "floor-everywhere": [(DraftController, "FLOOR_BELOW_ROWS", 10 ** 9)],
+        "valued-floor": [(DraftController, "round_floor", valued_floor)],
+        "padded-rows": [(kernels, "PADDED_ROWS", kernels.padded_rows_for("AVX512"))],
+        "no-plain-anchor": [(DraftController, "PLAIN_SAMPLES", 0)],
+        "fixed-probes": [(DraftController, "PROBE_LIMIT", DraftController.PROBE_EVERY)],
+        "min-match-3": [(draft, "min_match", 3)],
+    }.get(name, [])
+    saved = [(owner, attribute, vars(owner).get(attribute)) for owner, attribute, _ in patches]
     try:
+        for owner, attribute, value in patches:
+            setattr(owner, attribute, value)
         yield
     finally:
-        RaggedEngine.__init__, DraftController.token_values, RoundLedger.losing = init, values, losing
-        DraftController.LEDGER_FROM_ROWS, DraftController.PROBE_LIMIT = ledger_rows, probe_limit
-        DraftController.PLAIN_SAMPLES, DraftController.LONG_MATCH_FROM_ROWS = plain_samples, long_from
-        DraftController.FLOOR_BELOW_ROWS = floor_below
-        DraftController.round_floor = round_floor
-        kernels.PADDED_ROWS = padded_rows
-        if min_match is not None:
-            draft.min_match = min_match
+        for owner, attribute, value in saved:
+            setattr(owner, attribute, value)
 
 
 def main() -> None:
@@ -139,8 +115,6 @@ def main() -> None:
     p.add_argument("--controller-off", action="store_true",
                    help="every variant with adaptive=False: the rounds are a function of the prompts alone, so "
                         "variants that only change how a step is computed run the very same rounds")
-    p.add_argument("--draft-threshold", type=float, default=None, help="generate's draft_threshold (default: its own)")
-    p.add_argument("--draft-floor", type=float, default=None, help="generate's draft_floor (default: its own)")
     args = p.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS and not v.startswith(("threshold-", "k-"))]
@@ -160,9 +134,6 @@ def main() -> None:
                 options["draft_threshold"] = float(name.split("-", 1)[1])
             if name.startswith("k-"):
                 options["num_draft_tokens"] = int(name.split("-", 1)[1])
-            for key in ("draft_threshold", "draft_floor"):
-                if getattr(args, key) is not None and name != "ar" and key not in options:
-                    options[key] = getattr(args, key)
             if name == "no-controller" or args.controller_off:
                 options["adaptive"] = False
             with variant(name, draft):
