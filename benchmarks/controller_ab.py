@@ -21,6 +21,8 @@ Variants (ragged, the default draft and options unless named):
                 to the threshold from DraftController.FLOOR_BELOW_ROWS rows up)
   all-draft-rows  the feature head computes every row at every draft step (before it computed only the
                 rows still drafting by the model; the same proposals up to rounding)
+  valued-floor  each row's floor from what its accepted token is worth: clip(2 x seconds of a verify token /
+                the row's token value, draft_floor, threshold) from DraftController.FLOOR_BELOW_ROWS rows up
   padded-rows   two-row products padded to three rows (fast.kernels.PADDED_ROWS as on AVX-512 CPUs)
   threshold-T   the default with draft_threshold T (e.g. threshold-0.5)
   k-N           the default with N draft tokens (num_draft_tokens; e.g. k-6)
