@@ -26,6 +26,11 @@ Variants (ragged, the default draft and options unless named):
   padded-rows   two-row products padded to three rows (fast.kernels.PADDED_ROWS as on AVX-512 CPUs)
   threshold-T   the default with draft_threshold T (e.g. threshold-0.5)
   k-N           the default with N draft tokens (num_draft_tokens; e.g. k-6)
+  floor-everywhere-F  floor-everywhere with draft_floor F (e.g. floor-everywhere-0: every row whose cap
+                allows a proposal proposes its first token whatever its confidence)
+  fixed-kN-tT-fF  no controller (adaptive=False): every row drafts up to N tokens by the threshold T and
+                the floor F alone, at every row count (e.g. fixed-k1-t0-f0: every row proposes exactly
+                one token every round)
 Variants alternate inside each repeat (in reverse order every second repeat), so machine drift
 touches them alike; each line is one run.
 
@@ -35,6 +40,7 @@ touches them alike; each line is one run.
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from contextlib import contextmanager
 
@@ -82,12 +88,13 @@ def variant(name: str, draft=None):
         "ledger-everywhere": [(DraftController, "LEDGER_FROM_ROWS", 1)],
         "short-lookup": [(DraftController, "LONG_MATCH_FROM_ROWS", 10 ** 9)],
         "floor-everywhere": [(DraftController, "FLOOR_BELOW_ROWS", 10 ** 9)],
+        "floor-everywhere-": [(DraftController, "FLOOR_BELOW_ROWS", 10 ** 9)],
         "valued-floor": [(DraftController, "round_floor", valued_floor)],
         "padded-rows": [(kernels, "PADDED_ROWS", kernels.padded_rows_for("AVX512"))],
         "no-plain-anchor": [(DraftController, "PLAIN_SAMPLES", 0)],
         "fixed-probes": [(DraftController, "PROBE_LIMIT", DraftController.PROBE_EVERY)],
         "min-match-3": [(draft, "min_match", 3)],
-    }.get(name, [])
+    }.get("floor-everywhere-" if name.startswith("floor-everywhere-") else name, [])
     saved = [(owner, attribute, vars(owner).get(attribute)) for owner, attribute, _ in patches]
     try:
         for owner, attribute, value in patches:
@@ -96,6 +103,15 @@ def variant(name: str, draft=None):
     finally:
         for owner, attribute, value in saved:
             setattr(owner, attribute, value)
+
+
+def fixed_policy(name: str) -> dict | None:
+    """generate()'s options for a variant named fixed-kN-tT-fF (None for any other name)."""
+    match = re.fullmatch(r"fixed-k(\d+)-t([\d.]+)-f([\d.]+)", name)
+    if match is None:
+        return None
+    return dict(num_draft_tokens=int(match[1]), draft_threshold=float(match[2]), draft_floor=float(match[3]),
+                adaptive=False)
 
 
 def main() -> None:
@@ -119,7 +135,8 @@ def main() -> None:
                         "variants that only change how a step is computed run the very same rounds")
     args = p.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS and not v.startswith(("threshold-", "k-"))]
+    prefixes = ("threshold-", "k-", "floor-everywhere-")
+    unknown = [v for v in names if v not in VARIANTS and not v.startswith(prefixes) and fixed_policy(v) is None]
     if unknown:
         p.error(f"unknown variant {unknown[0]!r}; expected some of {', '.join(VARIANTS)}")
     target, tokenizer = load_model(args.target, "float32")
@@ -127,8 +144,8 @@ def main() -> None:
     ids = encode_prompts([text for _, text in select_prompts(args.prompts, args.per_category)], tokenizer,
                          args.chat_template)
     reference = None
-    print("| repeat | variant | batch | tokens/s | exact | rounds | lookup rounds | τ | draft s | verify s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| repeat | variant | batch | tokens/s | exact | rounds | lookup rounds | τ | draft s | verify s | prefill s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for repeat in range(args.repeats):
         for name in names if repeat % 2 == 0 else names[::-1]:  # drift cancels in pairs of repeats
             options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
@@ -136,6 +153,9 @@ def main() -> None:
                 options["draft_threshold"] = float(name.split("-", 1)[1])
             if name.startswith("k-"):
                 options["num_draft_tokens"] = int(name.split("-", 1)[1])
+            if name.startswith("floor-everywhere-"):
+                options["draft_floor"] = float(name.rsplit("-", 1)[1])
+            options.update(fixed_policy(name) or {})
             if name == "no-controller" or args.controller_off:
                 options["adaptive"] = False
             with variant(name, draft):
@@ -147,7 +167,7 @@ def main() -> None:
             exact = sum(a == b for a, b in zip(result.sequences, reference))
             print(f"| {repeat + 1} | {name} | {args.batch_size} | {sum(map(len, result.sequences)) / seconds:.1f} | "
                   f"{exact}/{len(ids)} | {s['rounds']} | {s['lookup_rounds']} | {s['mean_accepted_length']:.2f} | "
-                  f"{s['time_draft']:.2f} | {s['time_verify']:.2f} |", flush=True)
+                  f"{s['time_draft']:.2f} | {s['time_verify']:.2f} | {s['time_prefill']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
