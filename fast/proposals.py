@@ -11,13 +11,16 @@ distribution at step j: a function of the row's own visible content and the draf
 token drawn and never of another row. The threshold decides whether a row goes on drafting; the
 floor (<= threshold) whether the step that stops it still proposes its token: that token is already
 computed, and at batch 1 its verify costs ~1 ms of a ~45 ms round (floor = threshold: never; the
-controller raises the round's floor to the threshold from FLOOR_BELOW_ROWS rows up, where a verify
-token costs more). A row that proposes nothing gets exactly one target token;
+controller raises the round's floor to the threshold from FLOOR_BELOW_ROWS rows up to shallow
+rounds, below). A row that proposes nothing gets exactly one target token;
 a round in which no row proposes is a plain target step; the verify covers each row's own
 proposals only (a flat forward in the ragged layout; in rectangular layouts the longer rows' width,
 whose extra columns the shorter rows never accept: their limit is their own p_i).
 
-`cap` is k unless the cost-aware controller (DraftController, adaptive=True) lowers it: it fits
+`cap` is k unless the cost-aware controller (DraftController, adaptive=True) lowers it. From
+SHALLOW_FROM_ROWS rows up every round is shallow: each row's cap is 1, so every row whose first
+draft token is at least as likely as the run's floor proposes it, and the draft runs one step.
+Below that, the controller fits
 the measured seconds of draft steps and verify forwards to the batch size and the number of
 verified tokens, estimates each row's chance to be accepted from the row's own recent history,
 gives each row the cap whose proposals are expected to pay for their verify tokens, and runs only
@@ -223,6 +226,16 @@ class DraftController:
     not bring the probes back to every 16 rounds."""
 
     PROBE_EVERY = 16
+    # From this many rows up every round is shallow (row_caps): each row's cap is 1, its floor the
+    # run's, its lookup match the draft's own min_match; no ledger, probes or step trimming. At 13 rows
+    # a verify token that widens every row from one query to two costs 0.8-2.5 ms of a ~220 ms round, a
+    # second draft step ~7 ms, and first draft tokens are accepted ~46% of the time where the
+    # controller's per-row forecasts let only the rows that may finish last propose, and only above
+    # the threshold: on Spec-Bench at batch 13, one token from every row ran at 1.03-1.23x target-only
+    # in 8 of 8 alternating repeats, the controller at 0.91-1.06x (benchmarks/controller_ab.py
+    # --variants ar,default,fixed-k1-t0-f0; docs/bench_speculation/session13). At 8 rows, where
+    # requests wait for most of the run, the two were even (two repeats), so 8 rows keep the controller.
+    SHALLOW_FROM_ROWS = 9
     # Draft steps are trimmed by their measured yield from this many rows up. Below it a verify token
     # costs about 1% of a round and a draft step about 10%, so the yields hover at break-even, and a
     # trimmed step is measured again only in probes: on Spec-Bench at batch 1 the trimming cost 6-13%
@@ -281,6 +294,10 @@ class DraftController:
         self.rounds += 1
         self.values = None
         clamp = np.asarray(clamp, dtype=np.int64)
+        if self.shallow(len(clamp)):  # one token from every row (the ledger records nothing: values None)
+            caps = np.minimum(clamp, 1)
+            self.caps.append(int(caps.max(initial=0)))
+            return caps, caps
         guarded = len(clamp) >= self.LEDGER_FROM_ROWS and self.ledger.losing()  # the ledger stops drafting
         if not self.adaptive or self.k == 0 or not clamp.max():
             caps = lookup_caps = clamp
@@ -314,15 +331,21 @@ class DraftController:
         self.caps.append(int(caps.max()) if len(caps) else 0)
         return caps, lookup_caps
 
+    def shallow(self, rows: int) -> bool:
+        """Whether a round of `rows` rows is shallow (SHALLOW_FROM_ROWS): one token from every row."""
+        return bool(self.adaptive and self.k and rows >= self.SHALLOW_FROM_ROWS)
+
     def round_floor(self, rows: int, floor: float, threshold: float) -> float:
         """The floor of a round of `rows` rows: the run's, or the threshold (no token below it is
-        proposed) in adaptive rounds of FLOOR_BELOW_ROWS rows or more."""
-        return threshold if self.adaptive and self.k and rows >= self.FLOOR_BELOW_ROWS else floor
+        proposed) in adaptive rounds of FLOOR_BELOW_ROWS rows or more that are not shallow."""
+        raised = self.adaptive and self.k and rows >= self.FLOOR_BELOW_ROWS and not self.shallow(rows)
+        return threshold if raised else floor
 
     def round_min_match(self, rows: int, min_match: int) -> int:
         """The matching tokens a prompt lookup needs in a round of `rows` rows: the draft's own
-        min_match, or LONG_MATCH in adaptive rounds of LONG_MATCH_FROM_ROWS rows or more."""
-        long = self.adaptive and self.k and rows >= self.LONG_MATCH_FROM_ROWS
+        min_match, or LONG_MATCH in adaptive rounds of LONG_MATCH_FROM_ROWS rows or more that are
+        not shallow."""
+        long = self.adaptive and self.k and rows >= self.LONG_MATCH_FROM_ROWS and not self.shallow(rows)
         return max(min_match, self.LONG_MATCH) if long else min_match
 
     def best_caps(self, histories, clamp: np.ndarray, remaining=None, waiting: bool = True):

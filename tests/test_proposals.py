@@ -63,10 +63,48 @@ def test_the_floor_proposes_the_step_that_stops_a_row():
 def test_lookups_need_longer_matches_from_three_rows_up_with_the_controller_on():
     from specbatch.fast.proposals import DraftController
     on, off = DraftController(4, adaptive=True), DraftController(4, adaptive=False)
-    assert [on.round_min_match(rows, 2) for rows in (1, 2, 3, 13)] == [2, 2, 3, 3]
+    assert [on.round_min_match(rows, 2) for rows in (1, 2, 3, 8, 9, 13)] == [2, 2, 3, 3, 2, 2]  # 9+: shallow
     assert [off.round_min_match(rows, 2) for rows in (1, 3, 13)] == [2, 2, 2]  # --fixed-k: the draft's own
     assert on.round_min_match(13, 4) == 4 and on.round_min_match(1, 1) == 1  # never below the draft's own
     assert DraftController(0, adaptive=True).round_min_match(13, 2) == 2  # k = 0 drafts nothing anyway
+
+
+def test_from_nine_rows_up_every_row_may_propose_one_token_whatever_the_ledger_says():
+    """Shallow rounds (DraftController.SHALLOW_FROM_ROWS): each row's cap is 1 (0 where its clamp is
+    0), the floor is the run's and lookups need the draft's own match, even while the ledger says
+    drafting loses; below it the controller's own rules hold."""
+    c = ledger_controller(rows=9)
+    c.ledger.net, c.ledger.rounds = -1.0, 99  # whole drafting rounds have been losing
+    assert c.ledger.losing() and c.SHALLOW_FROM_ROWS == 9
+    clamp = np.array([4, 4, 0, 1, 4, 3, 4, 4, 2, 4])
+    caps, lookup_caps = c.row_caps(list(range(10)), clamp)
+    assert list(caps) == list(lookup_caps) == [1, 1, 0, 1, 1, 1, 1, 1, 1, 1]
+    assert list(c.row_caps(list(range(9)), clamp[:9])[0]) == [1, 1, 0, 1, 1, 1, 1, 1, 1]
+    assert not c.row_caps(list(range(8)), clamp[:8])[0].any()  # 8 rows: the ledger's plain round
+    assert [c.round_floor(rows, 0.2, 0.7) for rows in (1, 2, 3, 8, 9, 13)] == [0.2, 0.2, 0.7, 0.7, 0.2, 0.2]
+    off = DraftController(4, adaptive=False)  # the documented way to fix k: no shallow rounds
+    assert list(off.row_caps(list(range(10)), clamp)[0]) == list(clamp) and off.round_floor(13, 0.2, 0.7) == 0.2
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_shallow_rounds_propose_one_token_per_row_above_the_floor(tmp_path, strategy):
+    """Ten requests at once (nobody waits): every round of nine rows or more verifies at most one
+    proposal per row, including tokens below the threshold and at or above the floor; the output is
+    exact and the trace passes the checker (I7 with the traced limits and floor)."""
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(1, 0.3), confidence=confidence_hashed(5))
+    prompts = [RNG.integers(0, VOCAB, n).tolist() for n in (4, 11, 2, 7, 30, 5, 9, 3, 16, 6)]
+    path = tmp_path / "t.jsonl"
+    result = specbatch.generate(target, draft, prompts, max_new_tokens=10, num_draft_tokens=4, batch_size=10,
+                                strategy=strategy, draft_threshold=0.5, trace=path)
+    assert result.sequences == oracle(target, prompts, 10, [EOS])
+    assert check_trace(path) == []
+    rounds = [rnd["rows"] for rnd in map(json.loads, open(path)) if "round" in rnd]
+    wide = [row for rows in rounds if len(rows) >= 9 for row in rows]
+    assert wide and all(row["limit"] <= 1 and row["floor"] == 0.2 for row in wide)
+    first = [row["draft_confidence"][0] for row in wide if row["draft_limit"]]
+    assert any(0.2 <= c < 0.5 for c in first) and all(c >= 0.2 for c in first)  # the floor, not the threshold
+    assert any(row["draft_limit"] == 0 and row["limit"] == 1 for row in wide)  # below the floor: no proposal
 
 
 def test_a_length_that_follows_a_neighbour_breaks_the_rule():
@@ -225,9 +263,10 @@ def test_one_paying_probe_does_not_bring_the_probes_back_to_every_16_rounds():
 
 
 def test_the_controller_measures_plain_rounds_first_from_three_rows_up():
-    """From LEDGER_FROM_ROWS rows up, every second round is plain until PLAIN_SAMPLES plain rounds are
-    measured, so the verify cost's line has its point at no proposals (here a true cost of 50 ms + 2 ms
-    a token, with noisy drafting rounds: the fitted slope is the true one)."""
+    """From LEDGER_FROM_ROWS rows up (below SHALLOW_FROM_ROWS), every second round is plain until
+    PLAIN_SAMPLES plain rounds are measured, so the verify cost's line has its point at no proposals
+    (here a true cost of 50 ms + 2 ms a token, with noisy drafting rounds: the fitted slope is the
+    true one)."""
     def run(rows, rounds=12):
         c = DraftController(k=4, adaptive=True)
         plans, requests, noise = [], list(range(rows)), np.random.default_rng(0)
@@ -239,10 +278,10 @@ def test_the_controller_measures_plain_rounds_first_from_three_rows_up():
                      tokens, 0.050 + 0.002 * tokens + noise.normal(0, 0.004) * (tokens > rows), limit=caps)
         return c, [bool(caps.any()) for caps in plans]
 
-    c, drafted = run(13)
+    c, drafted = run(8)
     assert [i + 1 for i, d in enumerate(drafted) if not d][:DraftController.PLAIN_SAMPLES] == [2, 4, 6]
     assert c.plain_rounds >= DraftController.PLAIN_SAMPLES and all(drafted[6::2])
-    assert c.verify_cost(14) - c.verify_cost(13) == pytest.approx(0.002, rel=0.5)
+    assert c.verify_cost(9) - c.verify_cost(8) == pytest.approx(0.002, rel=0.5)
     c, drafted = run(2)  # below LEDGER_FROM_ROWS: no plain rounds are imposed
     assert all(drafted)
 
