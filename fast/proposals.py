@@ -229,9 +229,9 @@ class DraftController:
     # From this many rows up every round is shallow (row_caps): each row's cap is 1, its floor the
     # run's, its lookup match the draft's own min_match; no ledger, probes or step trimming. At 13 rows
     # a verify token that widens every row from one query to two costs 0.8-2.5 ms of a ~220 ms round, a
-    # second draft step ~7 ms, and first draft tokens are accepted ~46% of the time where the
-    # controller's per-row forecasts let only the rows that may finish last propose, and only above
-    # the threshold: on Spec-Bench at batch 13, one token from every row ran at 1.03-1.23x target-only
+    # second draft step ~7 ms, and first draft tokens are accepted ~46% of the time; the controller's
+    # per-row forecasts let only the rows that may finish last propose, and only above the threshold,
+    # so the slowest rows hardly ever did. On Spec-Bench at batch 13, one token from every row ran at 1.03-1.23x target-only
     # in 8 of 8 alternating repeats, the controller at 0.91-1.06x (benchmarks/controller_ab.py
     # --variants ar,default,fixed-k1-t0-f0; docs/bench_speculation/session13). At 8 rows, where
     # requests wait for most of the run, the two were even (two repeats), so 8 rows keep the controller.
