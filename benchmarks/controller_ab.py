@@ -88,13 +88,12 @@ def variant(name: str, draft=None):
         "ledger-everywhere": [(DraftController, "LEDGER_FROM_ROWS", 1)],
         "short-lookup": [(DraftController, "LONG_MATCH_FROM_ROWS", 10 ** 9)],
         "floor-everywhere": [(DraftController, "FLOOR_BELOW_ROWS", 10 ** 9)],
-        "floor-everywhere-": [(DraftController, "FLOOR_BELOW_ROWS", 10 ** 9)],
         "valued-floor": [(DraftController, "round_floor", valued_floor)],
         "padded-rows": [(kernels, "PADDED_ROWS", kernels.padded_rows_for("AVX512"))],
         "no-plain-anchor": [(DraftController, "PLAIN_SAMPLES", 0)],
         "fixed-probes": [(DraftController, "PROBE_LIMIT", DraftController.PROBE_EVERY)],
         "min-match-3": [(draft, "min_match", 3)],
-    }.get("floor-everywhere-" if name.startswith("floor-everywhere-") else name, [])
+    }.get("floor-everywhere" if name.startswith("floor-everywhere-") else name, [])
     saved = [(owner, attribute, vars(owner).get(attribute)) for owner, attribute, _ in patches]
     try:
         for owner, attribute, value in patches:
@@ -105,13 +104,25 @@ def variant(name: str, draft=None):
             setattr(owner, attribute, value)
 
 
-def fixed_policy(name: str) -> dict | None:
-    """generate()'s options for a variant named fixed-kN-tT-fF (None for any other name)."""
-    match = re.fullmatch(r"fixed-k(\d+)-t([\d.]+)-f([\d.]+)", name)
-    if match is None:
-        return None
-    return dict(num_draft_tokens=int(match[1]), draft_threshold=float(match[2]), draft_floor=float(match[3]),
-                adaptive=False)
+PARAMETRISED = {  # variant name pattern -> generate()'s options from its numbers
+    r"threshold-([\d.]+)": lambda t: dict(draft_threshold=float(t)),
+    r"k-(\d+)": lambda n: dict(num_draft_tokens=int(n)),
+    r"floor-everywhere-([\d.]+)": lambda f: dict(draft_floor=float(f)),
+    r"fixed-k(\d+)-t([\d.]+)-f([\d.]+)": lambda n, t, f: dict(
+        num_draft_tokens=int(n), draft_threshold=float(t), draft_floor=float(f), adaptive=False),
+}
+
+
+def variant_options(name: str) -> dict | None:
+    """generate()'s options for a variant: {} for a named one, its numbers' options for a
+    parametrised one (PARAMETRISED), None for an unknown name."""
+    if name in VARIANTS:
+        return {"adaptive": False} if name == "no-controller" else {}
+    for pattern, options in PARAMETRISED.items():
+        match = re.fullmatch(pattern, name)
+        if match:
+            return options(*match.groups())
+    return None
 
 
 def main() -> None:
@@ -135,10 +146,10 @@ def main() -> None:
                         "variants that only change how a step is computed run the very same rounds")
     args = p.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    prefixes = ("threshold-", "k-", "floor-everywhere-")
-    unknown = [v for v in names if v not in VARIANTS and not v.startswith(prefixes) and fixed_policy(v) is None]
+    unknown = [v for v in names if variant_options(v) is None]
     if unknown:
-        p.error(f"unknown variant {unknown[0]!r}; expected some of {', '.join(VARIANTS)}")
+        p.error(f"unknown variant {unknown[0]!r}; expected some of {', '.join(VARIANTS)}, or threshold-T, k-N, "
+                "floor-everywhere-F, fixed-kN-tT-fF")
     target, tokenizer = load_model(args.target, "float32")
     draft, _ = load_draft(args.draft, target, "float32")
     ids = encode_prompts([text for _, text in select_prompts(args.prompts, args.per_category)], tokenizer,
@@ -148,15 +159,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for repeat in range(args.repeats):
         for name in names if repeat % 2 == 0 else names[::-1]:  # drift cancels in pairs of repeats
-            options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-            if name.startswith("threshold-"):
-                options["draft_threshold"] = float(name.split("-", 1)[1])
-            if name.startswith("k-"):
-                options["num_draft_tokens"] = int(name.split("-", 1)[1])
-            if name.startswith("floor-everywhere-"):
-                options["draft_floor"] = float(name.rsplit("-", 1)[1])
-            options.update(fixed_policy(name) or {})
-            if name == "no-controller" or args.controller_off:
+            options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, **variant_options(name))
+            if args.controller_off:
                 options["adaptive"] = False
             with variant(name, draft):
                 start = time.perf_counter()
