@@ -9,7 +9,6 @@ sampling and at least (1 - TV) / (1 + TV) for coupled sampling.
 import argparse
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -31,9 +30,8 @@ def main():
     parser.add_argument("--k", type=int, default=2)
     args = parser.parse_args()
     if args.target:
-        from specbatch.prepare import encode_prompts, load_pair, read_prompt_file
-        ns = SimpleNamespace(target=args.target, draft=args.draft, dtype="float32", device="cpu")
-        target, draft, tok = load_pair(ns)
+        from specbatch.prepare import encode_prompts, load, read_prompt_file
+        target, draft, tok = load(args.target, args.draft)
         prompts = encode_prompts([t for _, t in read_prompt_file(args.prompts)], tok, True)
         note = ""
     else:

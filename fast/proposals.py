@@ -43,9 +43,6 @@ from collections import deque
 
 import numpy as np
 
-from ..options import DEFAULTS
-
-DEFAULT_THRESHOLD = DEFAULTS["draft_threshold"]
 
 
 def proposal_lengths(confidence: np.ndarray, limit: np.ndarray, threshold: float, floor: float | None = None
@@ -231,10 +228,9 @@ class DraftController:
     # a verify token that widens every row from one query to two costs 0.8-2.5 ms of a ~220 ms round, a
     # second draft step ~7 ms, and first draft tokens are accepted ~46% of the time; the controller's
     # per-row forecasts let only the rows that may finish last propose, and only above the threshold,
-    # so the slowest rows hardly ever did. On Spec-Bench at batch 13, one token from every row ran at 1.03-1.23x target-only
-    # in 8 of 8 alternating repeats, the controller at 0.91-1.06x (benchmarks/controller_ab.py
-    # --variants ar,default,fixed-k1-t0-f0; docs/bench_speculation/session13). At 8 rows, where
-    # requests wait for most of the run, the two were even (two repeats), so 8 rows keep the controller.
+    # so the slowest rows hardly ever did; one token from every row beats that at 13 rows (compare with
+    # benchmarks/controller_ab.py --variants ar,default,fixed-k1-t0-f0). At 8 rows, where requests
+    # wait for most of the run, the two are even, so 8 rows keep the controller.
     SHALLOW_FROM_ROWS = 9
     # Draft steps are trimmed by their measured yield from this many rows up. Below it a verify token
     # costs about 1% of a round and a draft step about 10%, so the yields hover at break-even, and a

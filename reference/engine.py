@@ -20,7 +20,7 @@ from .pool import ExspecPool, FixedBatches, SlotQueue
 from .rounds import commit_counts, committed_tokens, greedy_accept, proposal_lengths, ragged_commit, softmax_max
 from .state import RaggedState, RectState, query_mask
 
-from ..options import DEFAULTS, STRATEGIES  # the registry the torch engine, API and CLI share
+from ..options import STRATEGIES, defaults  # the registry and defaults the torch engine, API and CLI share
 
 
 @dataclass
@@ -358,17 +358,26 @@ def _new_rows(prompts, max_new, requests, target, draft, opt):
     return rows
 
 
-def generate(target, draft, prompts, *, max_new_tokens, k: int = DEFAULTS["num_draft_tokens"], eos_ids=(),
-             strategy: str = DEFAULTS["strategy"], batch_size: int = DEFAULTS["batch_size"], pad_id: int = 0, window: int | None = None, pool_window: int | None = None,
-             max_wait: int = DEFAULTS["max_wait"], arrival=None, check: bool = False, trace=None, threshold: float = 0.0,
-             floor: float | None = None, caps=None) -> ReferenceResult:
+def generate(target, draft, prompts, *, max_new_tokens=None, k: int | None = None, eos_ids=(),
+             strategy: str | None = None, batch_size: int | None = None, pad_id: int = 0, window: int | None = None,
+             pool_window: int | None = None, max_wait: int | None = None, arrival=None, check: bool = False,
+             trace=None, threshold: float = 0.0, floor: float | None = None, caps=None) -> ReferenceResult:
     """Reference batch speculative decoding; `draft=None` is target-only decoding.
 
+    max_new_tokens, k (num_draft_tokens), strategy, batch_size, pool_window and max_wait default to
+    specbatch.options.defaults(), the torch engine's defaults.
     max_new_tokens: int or one per prompt. arrival: the order requests are submitted (default:
     input order); results always come back in input order (S2). threshold: the proposal rule's
     confidence threshold (I7; 0: every row proposes its whole limit); floor: the step that stops a row
     proposes its token too when its confidence is >= floor (None: never); caps: each round's cap on
     proposal lengths (default k every round)."""
+    d = defaults()
+    max_new_tokens = d.max_new_tokens if max_new_tokens is None else max_new_tokens
+    k = d.num_draft_tokens if k is None else k
+    strategy = d.strategy if strategy is None else strategy
+    batch_size = d.batch_size if batch_size is None else batch_size
+    pool_window = d.pool_window if pool_window is None else pool_window
+    max_wait = d.max_wait if max_wait is None else max_wait
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     opt = Options(k=k if draft is not None else 0, eos_ids=tuple(eos_ids), pad_id=pad_id, window=window, check=check,

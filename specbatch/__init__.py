@@ -1,16 +1,22 @@
 """specbatch: batch speculative decoding that is provably output-equivalent.
 
-`specbatch.generate` (torch engine), `specbatch.reference` (NumPy reference), `specbatch.invariants`
-(checkers and trace format), `specbatch.fast` (the torch engine's parts).
+`specbatch.generate` (torch engine), `specbatch.load` (a target and draft by name),
+`specbatch.GenerateOptions` (every default), `specbatch.reference` (NumPy reference),
+`specbatch.invariants` (checkers and trace format), `specbatch.fast` (the torch engine's parts).
 """
+from .options import GenerateOptions
+
 __version__ = "0.1.0"
-__all__ = ["generate", "GenerationResult", "STRATEGIES"]
+__all__ = ["generate", "load", "GenerateOptions", "GenerationResult", "STRATEGIES"]
 
 
 def __getattr__(name):  # import torch only when the torch engine is used
     if name in ("generate", "STRATEGIES"):
         from . import api
         return getattr(api, name)
+    if name == "load":
+        from .prepare import load
+        return load
     if name == "GenerationResult":
         from .fast.engine import GenerationResult
         return GenerationResult

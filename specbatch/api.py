@@ -14,8 +14,8 @@ from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
 from .invariants import TraceWriter
-from .options import (DEFAULTS, STRATEGIES, OptionError, check_arrivals, check_int, check_probability, check_seed,
-                      check_temperature, check_token_id, check_token_ids, check_top_k, check_top_p)
+from .options import (STRATEGIES, GenerateOptions, check_arrivals, check_choice, check_options, check_token_id,
+                      check_token_ids, resolve)
 
 BROKEN = ("bsp-like", "dsd-like")  # deliberately wrong: generate_variant (bench, tests) only
 
@@ -43,36 +43,21 @@ def _prompt_ids(prompts, tokenizer, vocab: int) -> list[list[int]]:
     return out
 
 
-def _positive(name: str, value, allow_list: bool = False):
-    values = list(value) if allow_list and isinstance(value, (list, tuple)) else [value]
-    for v in values:
-        check_int(name, v)
-
-
-def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = DEFAULTS["num_draft_tokens"],
-             batch_size: int = DEFAULTS["batch_size"], strategy: str = DEFAULTS["strategy"], eos_token_id=None,
+def generate(target, draft, prompts, options: GenerateOptions | None = None, *, eos_token_id=None,
              pad_token_id=None, tokenizer=None, draft_tokenizer=None, check_invariants: bool = False, trace=None,
-             progress: bool = False, pool_window: int | None = None, max_wait: int = DEFAULTS["max_wait"],
-             on_result=None, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed=DEFAULTS["seed"],
-             sampling: str = "rejection", arrivals=None, request_ids=None, prepack: bool = True,
-             compile: bool = False, draft_threshold: float | None = None, draft_floor: float | None = None,
-             adaptive: bool | None = None) -> GenerationResult:
+             progress: bool = False, on_result=None, arrivals=None, request_ids=None,
+             **settings) -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
     Greedy output equals target-only greedy decoding token for token (proofs_notes/).
-    prompts: token-id lists, or strings with tokenizer=. Request id = index in prompts.
-    max_new_tokens: int, or one per prompt. eos_token_id: int or list; default: every id in
-    target.generation_config.eos_token_id. Results come back in input order.
-    strategy: "ragged" (default: per-row offsets, no realignment, continuous refill), "eqspec"
-    (realign every round), "exspec" (pool of same-length groups; pool_window rows, default
-    4 x batch_size, and max_wait rounds of bounded waiting). Defaults: specbatch.options.DEFAULTS,
-    the same as the CLI's.
-    temperature 0 is greedy; otherwise tokens are sampled after temperature / top_k / top_p (the same
-    processors for target and draft): sampling="rejection" keeps the target's distribution exactly,
-    sampling="coupled" equals target-only coupled sampling with the same seed token for token.
-    seed: int in [0, 2^63), or one per prompt; randomness is keyed by (seed, request, position),
-    never by slot.
+    prompts: token-id lists, or strings with tokenizer=. Request id = index in prompts; results come
+    back in input order.
+    options / settings: how to decode, a `specbatch.GenerateOptions` and any of its fields by keyword
+    (strategy, num_draft_tokens, batch_size, max_new_tokens (int, or one per prompt), draft_threshold,
+    draft_floor, adaptive, temperature, top_k, top_p, sampling, seed (int, or one per prompt),
+    prepack, compile, max_wait, pool_window); a keyword wins over `options`, and what neither
+    gives comes from `specbatch.options.defaults()`. docs/api.md describes each field.
+    eos_token_id: int or list; default: every id in target.generation_config.eos_token_id.
     check_invariants: check I1-I6 every round (slow; raises invariants.InvariantError).
     trace: path of a JSONL round trace (invariants.trace format).
     arrivals: optional arrival time (seconds after the start, finite, nondecreasing) per request, for
@@ -80,70 +65,38 @@ def generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int = 
     request_ids: the ids that key sampling randomness (default: the prompt indices); data-parallel
     shards pass global ids so that sharding cannot change sampled outputs.
     on_result: called as on_result(request, tokens, stop_reason, rounds) when a request finishes.
-    prepack: on CPU, compute float32/bfloat16 linear layers with oneDNN-prepacked weights (fast.kernels;
-    a second copy of those weights is kept beside the modules); False: transformers' own layers.
-    num_draft_tokens: k, the most tokens a row proposes in a round. How many it does propose is
-    decided per row (fast.proposals): it stops when the draft's confidence (probability of its most
-    likely next token) falls below draft_threshold (default 0.7; 0: never), proposing the token it
-    stops at if its confidence is at least draft_floor (default 0.2, or draft_threshold if that is
-    lower; draft_floor=draft_threshold: never), and adaptive=True lets a
-    cost-aware controller cap each row's proposals from measured step costs and the row's history
-    (all caps 0 make a plain target step). adaptive=None: on, except for rejection sampling (where a
-    cap that depends on batch and timing would make seeded outputs depend on them). Fixed k:
-    draft_threshold=0, adaptive=False.
-    compile: torch.compile (inductor) the MLP blocks and normalisation layers, compiled code cached
-    on disk (fast.kernels.compiled_blocks). Measured on the 2-core CPU: slower than prepack (README).
-    Bad arguments raise ValueError (specbatch.options.OptionError for numbers) naming the argument.
+    Bad arguments raise ValueError (specbatch.options.OptionError for options) naming the argument;
+    an unknown option name raises TypeError.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    return _generate(**locals())
+    opts, floor_chosen = resolve(options, settings)
+    check_choice("strategy", opts.strategy, STRATEGIES)
+    return _generate(target, draft, prompts, opts, floor_chosen, eos_token_id=eos_token_id,
+                     pad_token_id=pad_token_id, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+                     check_invariants=check_invariants, trace=trace, progress=progress, on_result=on_result,
+                     arrivals=arrivals, request_ids=request_ids)
 
 
-def generate_variant(target, draft, prompts, *, variant: str, **options) -> GenerationResult:
+def generate_variant(target, draft, prompts, *, variant: str, **settings) -> GenerationResult:
     """The deliberately broken bsp-like / dsd-like variants (bench's correctness table and the tests
     that show the checkers catch them), with generate's arguments. Never for real outputs."""
-    if variant not in BROKEN:
-        raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(BROKEN)}")
-    options.setdefault("num_draft_tokens", DEFAULTS["num_draft_tokens"])
-    options.setdefault("batch_size", DEFAULTS["batch_size"])
-    return _generate(target, draft, prompts, strategy=variant, **options)
+    check_choice("variant", variant, BROKEN)
+    call = {name: settings.pop(name) for name in list(settings) if name not in GenerateOptions.names()}
+    opts, floor_chosen = resolve(None, settings)
+    return _generate(target, draft, prompts, opts, floor_chosen, variant=variant, **call)
 
 
-def _generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int, batch_size: int, strategy: str,
+def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool, *, variant: str | None = None,
               eos_token_id=None, pad_token_id=None, tokenizer=None, draft_tokenizer=None,
-              check_invariants: bool = False, trace=None, progress: bool = False, pool_window: int | None = None,
-              max_wait: int = DEFAULTS["max_wait"], on_result=None, temperature: float = 0.0,
-              top_k: int | None = None, top_p: float | None = None, seed=DEFAULTS["seed"],
-              sampling: str = "rejection", arrivals=None, request_ids=None, prepack: bool = True,
-              compile: bool = False, draft_threshold: float | None = None, draft_floor: float | None = None,
-              adaptive: bool | None = None) -> GenerationResult:
-    check_temperature(temperature)
-    if sampling not in ("rejection", "coupled"):
-        raise ValueError(f"unknown sampling mode {sampling!r}; expected 'rejection' or 'coupled'")
-    if top_k is not None:
-        check_top_k(top_k)
-    if top_p is not None:
-        check_top_p(top_p)
-    if draft_threshold is not None:
-        check_probability("draft_threshold", draft_threshold)
-    if draft_floor is not None:
-        check_probability("draft_floor", draft_floor)
-        ceiling = DEFAULTS["draft_threshold"] if draft_threshold is None else draft_threshold
-        if draft_floor > ceiling:
-            raise OptionError(f"draft_floor must be <= draft_threshold ({ceiling:g}): it says whether the step that "
-                              f"stops a row still proposes; got {draft_floor!r}")
+              check_invariants: bool = False, trace=None, progress: bool = False, on_result=None, arrivals=None,
+              request_ids=None) -> GenerationResult:
     if not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a non-empty list of token-id lists (or strings with tokenizer=)")
-    check_seed(seed, len(prompts))
+    opts = check_options(opts, len(prompts), floor_chosen)
+    strategy = variant or opts.strategy
+    temperature, top_k, top_p, seed, sampling = opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.sampling
+    num_draft_tokens, batch_size, max_new_tokens = opts.num_draft_tokens, opts.batch_size, opts.max_new_tokens
     if arrivals is not None:
         arrivals = check_arrivals(arrivals, len(prompts))
-    _positive("num_draft_tokens", num_draft_tokens)
-    _positive("batch_size", batch_size)
-    if pool_window is not None:
-        _positive("pool_window", pool_window)
-    check_int("max_wait", max_wait, 0)
-    _positive("max_new_tokens", max_new_tokens, allow_list=True)
     check_pair(target, draft, tokenizer, draft_tokenizer)
     if draft is not None and getattr(draft, "reads_features", False) and strategy != "ragged":
         raise ValueError(f"the draft reads the target's features (a feature draft, fast.feature_draft); only "
@@ -189,8 +142,9 @@ def _generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int, 
     pad_id = pad_token_id if pad_token_id is not None else (getattr(target.config, "pad_token_id", None) or 0)
     stats = Stats()
     writer = None
-    threshold = float(DEFAULTS["draft_threshold"] if draft_threshold is None else draft_threshold) if k else 0.0
-    floor = min(float(DEFAULTS["draft_floor"]), threshold) if draft_floor is None else float(draft_floor)
+    threshold = float(opts.draft_threshold) if k else 0.0
+    floor = min(float(opts.draft_floor), threshold)
+    adaptive = opts.adaptive
     if adaptive is None:
         adaptive = not (temperature and sampling == "rejection")
     if trace is not None:
@@ -226,11 +180,11 @@ def _generate(target, draft, prompts, *, max_new_tokens, num_draft_tokens: int, 
     from .fast.strategies import broken, eqspec, exspec, ragged
     run = {"eqspec": eqspec.run, "ragged": ragged.run, "bsp-like": broken.run_bsp_like,
            "dsd-like": broken.run_dsd_like,
-           "exspec": functools.partial(exspec.run, pool_window=pool_window, max_wait=max_wait)}[strategy]
+           "exspec": functools.partial(exspec.run, pool_window=opts.pool_window, max_wait=opts.max_wait)}[strategy]
     try:
         with torch.inference_mode(), engine_attention(target, draft), \
-                compiled_blocks(target, draft, enabled=compile) as compiled, \
-                prepacked_linears(target, draft, enabled=prepack, skip=compiled):
+                compiled_blocks(target, draft, enabled=opts.compile) as compiled, \
+                prepacked_linears(target, draft, enabled=opts.prepack, skip=compiled):
             run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
     finally:  # an error (or Ctrl-C) leaves no half-drawn bar in front of its message
         if bar is not None:

