@@ -1,6 +1,9 @@
-"""Shared test setup: Hypothesis profiles; tiny model folders and a prompt file for the CLI tests.
+"""Shared test setup: the two profiles (tests/profiles.py), tiny model folders and a prompt file
+for the CLI tests.
 
-default: quick, for every CI run. thorough: many more examples (HYPOTHESIS_PROFILE=thorough).
+`pytest`: the default profile (Hypothesis "quick", the pairwise subset of every grid, no tests
+marked `full`). `pytest --full`: the full pre-merge profile (Hypothesis "full", every case, every
+test). HYPOTHESIS_PROFILE=thorough (or quick / full) picks the Hypothesis profile by itself.
 """
 import json
 import os
@@ -8,11 +11,27 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("default", max_examples=40, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("thorough", max_examples=400, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+for name, count in (("quick", 10), ("full", 60), ("thorough", 400)):
+    settings.register_profile(name, max_examples=count, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="specbatch: the full pre-merge profile (every case of "
+                     "every grid, the tests marked full, Hypothesis's full example counts)")
+
+
+def pytest_configure(config):
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("full" if config.getoption("--full") else "quick"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    kept = [item for item in items if item.get_closest_marker("full") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full")])
+        items[:] = kept
 
 
 @pytest.fixture(scope="module")

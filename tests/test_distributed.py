@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_models import PROMPTS, save_folder, tiny
+from profiles import only_full
 
 
 def free_port() -> int:
@@ -27,8 +28,8 @@ def setup(tmp_path_factory):
     return root, target, draft, prompts
 
 
-@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.9", "--sampling", "rejection", "--seed", "3"],
-                                      ["--temperature", "0.9", "--sampling", "coupled", "--seed", "3"]],
+@pytest.mark.parametrize("sampling", only_full([], ["--temperature", "0.9", "--sampling", "rejection", "--seed", "3"],
+                                                ["--temperature", "0.9", "--sampling", "coupled", "--seed", "3"]),
                          ids=["greedy", "rejection", "coupled"])
 def test_two_processes_give_the_single_process_file(setup, sampling):
     root, target, draft, prompts = setup

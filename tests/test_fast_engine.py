@@ -14,7 +14,7 @@ from specbatch.fast.drafts import ScriptedDraft
 from specbatch.fast.equivalence import compare
 from specbatch.invariants import check_trace
 from specbatch.reference import RectState, confidence_hashed, deviate_at, deviate_hashed, eqspec_update
-from profiles import examples
+from profiles import examples, grid
 
 STRATEGIES = ["eqspec", "exspec", "ragged"]
 RNG = np.random.default_rng(0)
@@ -36,10 +36,9 @@ def drafts(arch):
             "scripted": ScriptedDraft(target, deviate_hashed(7, 0.35))}
 
 
-@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-@pytest.mark.parametrize("draft", ["none", "random", "self", "scripted"])
+@pytest.mark.parametrize("draft,arch,strategy,mode", grid(draft=["none", "random", "self", "scripted"],
+                                                         arch=sorted(ARCHS), strategy=STRATEGIES,
+                                                         mode=["fixed", "adaptive"]))
 def test_equals_transformers_greedy_float64(arch, draft, strategy, mode):
     """fixed: every row drafts its whole limit; adaptive: the defaults (confidence threshold, cost
     controller), with a scripted confidence so that rows do stop at different steps."""
@@ -58,9 +57,7 @@ def test_equals_transformers_greedy_float64(arch, draft, strategy, mode):
     assert result.stop_reasons == ["eos" if s[-1] in eos else "length" for s in want]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
-@pytest.mark.parametrize("k", [1, 2, 5, 8])
+@pytest.mark.parametrize("k,batch_size,strategy", grid(k=[1, 2, 5, 8], batch_size=[1, 2, 5, 8], strategy=STRATEGIES))
 def test_batch_sizes_and_draft_lengths(batch_size, k, strategy):
     target = tiny("llama")
     want = oracle(target, PROMPTS, 14, [EOS])
@@ -205,7 +202,7 @@ def replay_ragged_with_reference(trace_path, slots):
                 queue.release(slot)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_long_prompts_200_tokens_all_architectures(arch):
     target = tiny(arch)

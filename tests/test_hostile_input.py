@@ -48,6 +48,7 @@ def digest(path):
 
 # ---------------------------------------------------------------- output paths
 
+@pytest.mark.full  # eight CLI subprocesses
 def test_outputs_never_replace_what_they_do_not_own(folders, prompt_file, tmp_path):
     """The prompt file, a symlink's target, a FIFO and a directory survive every attempt to write over
     them; each attempt is one line and exit 2, before any model is loaded."""
@@ -108,6 +109,7 @@ def test_a_real_write_error_is_reported_by_the_writer(tmp_path):
         writer.add(dict(id="a", token_ids=[1]))
 
 
+@pytest.mark.full  # a subprocess killed and resumed
 def test_a_run_killed_mid_way_resumes_to_the_same_bytes(folders, prompt_file, tmp_path):
     whole = tmp_path / "whole.jsonl"
     assert run_cli(*gen_args(folders, prompt_file, "--out", str(whole), "--batch-size", "1"))[0] == 0
@@ -301,6 +303,7 @@ def test_check_trace_validates_the_schema_first(folders, prompt_file, tmp_path, 
     assert one_line_exit_2(capsys, ["check-trace", str(trace)], message)
 
 
+@pytest.mark.full  # CLI subprocesses
 def test_user_errors_show_a_traceback_only_with_debug(folders, tmp_path):
     code, err = run_cli("generate", "--target", folders["target"], "--prompts", str(tmp_path / "none.jsonl"))
     assert code == 2 and len(err) == 1

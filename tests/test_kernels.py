@@ -129,7 +129,7 @@ def test_a_prepacked_layer_that_drops_its_bias_is_caught(monkeypatch):
     assert any(not r["exact"] and r["kind"] == "error" for r in reports)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_compiled_blocks_give_the_same_tokens():
     """compile=True (inductor on the MLP blocks and norms) runs the same decoding."""
     target = tiny("llama", dtype=torch.float32)
