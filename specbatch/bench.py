@@ -98,10 +98,11 @@ def markdown_table(rows) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         fmt = lambda v, d=2: "-" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
+        ratio = lambda v: "-" if v is None or v != v else f"{v:.2f}x"  # noqa: E731
         paired = "/".join(f"{v:.2f}" for v in r.get("vs_ar_runs") or [])
-        paired = f"{paired} ({fmt(r.get('vs_ar_median'))}x)" if paired else "-"
-        lines.append(f"| {r['method']} | {r['batch']} | {fmt(r['tokens_per_second'], 1)} | {fmt(r.get('vs_ar'))}x | "
-                     f"{paired} | {fmt(r.get('vs_spec1'))}x | {fmt(r['mean_accepted_length'])} | {fmt(r['acceptance_rate'])} | "
+        paired = f"{paired} ({ratio(r.get('vs_ar_median'))})" if paired else "-"
+        lines.append(f"| {r['method']} | {r['batch']} | {fmt(r['tokens_per_second'], 1)} | {ratio(r.get('vs_ar'))} | "
+                     f"{paired} | {ratio(r.get('vs_spec1'))} | {fmt(r['mean_accepted_length'])} | {fmt(r['acceptance_rate'])} | "
                      f"{fmt(r['time_draft'])} | {fmt(r['time_verify'])} | {fmt(r['time_align'], 3)} | "
                      f"{fmt(r['time_prefill'])} | {fmt(100 * r['align_share'], 1)}% | {r['exact']} |")
     return "\n".join(lines)
@@ -259,6 +260,16 @@ def arrival_table(rows, rate) -> str:
     return "\n".join(lines)
 
 
+def report_markdown(report: dict) -> str:
+    """bench.md from bench.json's content: the command, the machine, the tables."""
+    table = markdown_table(report["rows"])
+    if report.get("peers"):
+        table += "\n\n" + peer_table(report["peers"], report["rows"])
+    if report.get("arrivals"):
+        table += "\n\n" + arrival_table(report["arrivals"], report.get("arrival_rate"))
+    return f"Command: `{report['setup']['command']}`\n\nMachine: {report['machine']['summary']}\n\n{table}\n"
+
+
 def run_bench(args, opts: GenerateOptions) -> int:
     """`specbatch bench`: args holds the bench's own flags (methods, batch sizes, repeats, files), opts
     everything about decoding (the defaults in force for "bench" under the flags given)."""
@@ -321,20 +332,15 @@ def run_bench(args, opts: GenerateOptions) -> int:
     setup = dict(target=args.target, draft=args.draft, prompts=str(prompt_file), num_prompts=len(ids),
                  per_category=args.per_category, limit=args.limit, chat_template=args.chat_template,
                  batch_sizes=args.batch_sizes, methods=methods, repeats=args.repeats,
-                 options=dataclasses.asdict(opts), command=" ".join(["specbatch"] + sys.argv[1:]))
+                 options=dataclasses.asdict(opts), command=getattr(args, "command_line", "specbatch bench"))
     latency_rows = (arrival_bench(target, draft, ids, args, opts, max(args.batch_sizes), methods)
                     if args.arrival_rate else [])
-    peers = peer_rows(peer_data, reference)
-    (out_dir / "bench.json").write_text(json.dumps(dict(machine=machine, setup=setup, rows=rows,
-                                                        arrivals=latency_rows, peers=peers), indent=1))
-    table = markdown_table(rows)
-    if peers:
-        table += "\n\n" + peer_table(peers, rows)
-    if latency_rows:
-        table += "\n\n" + arrival_table(latency_rows, args.arrival_rate)
-    (out_dir / "bench.md").write_text(f"Command: `{setup['command']}`\n\nMachine: {machine['summary']}\n\n{table}\n")
+    report = dict(machine=machine, setup=setup, rows=rows, arrivals=latency_rows, arrival_rate=args.arrival_rate,
+                  peers=peer_rows(peer_data, reference))
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "bench.md").write_text(report_markdown(report))
     plots = plot(rows, out_dir)
-    print(table)
+    print(report_markdown(report))
     print(f"wrote {out_dir / 'bench.json'}, {out_dir / 'bench.md'}" + "".join(f", {out_dir / p}" for p in plots),
           file=sys.stderr)
     return 0

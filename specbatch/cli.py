@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 
 from .errors import UserError
@@ -417,6 +418,7 @@ def main(argv=None) -> int:
     from .io import InputError, OutputError
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = shlex.join(["specbatch", *(sys.argv[1:] if argv is None else argv)])  # recorded by bench
     try:
         return args.run(args)
     except (UserError, InputError, OutputError) as e:

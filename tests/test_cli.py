@@ -113,6 +113,21 @@ def test_bench_writes_table_json_and_plots(folders, prompt_file, tmp_path):
     assert [r["method"] for r in data["arrivals"]] == ["ar", "eqspec", "exspec", "ragged"]
     assert all(0 < r["p50"] <= r["p90"] <= r["p99"] for r in data["arrivals"])
     assert (out / "throughput.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
+    from specbatch.bench import report_markdown
+    from specbatch.machine import cpu_info
+    assert (out / "bench.md").read_text() == report_markdown(data)  # the table is generated from the JSON
+    assert data["machine"]["cpu_model"] == cpu_info()["model"] and data["machine"]["threads"] >= 1
+    assert data["setup"]["command"].startswith("specbatch bench --target ") and "--arrival-rate 50" in \
+        data["setup"]["command"]
+
+
+def test_bench_runs_the_shipped_prompts_without_a_prompt_file():
+    """The default `bench` needs nothing outside the repository: 13 prompts, one per category."""
+    from specbatch.bench import SHIPPED_PROMPTS, prompt_categories, select_prompts
+    from specbatch.cli import build_parser
+    assert build_parser().parse_args(["bench", "--target", "t"]).prompts is None
+    prompts = select_prompts(SHIPPED_PROMPTS, 1)
+    assert len(prompts) == 13 and len(set(prompt_categories(SHIPPED_PROMPTS))) == 13
 
 
 def test_bench_alternates_method_order_and_pairs_ratios_by_repeat(folders, prompt_file, tmp_path, capsys):
