@@ -52,12 +52,10 @@ def _packed_weight(module: torch.nn.Linear):
 def padded_rows_for(capability: str) -> dict:
     """Row counts oneDNN multiplies slower than a larger count on a CPU of this capability
     (torch.backends.cpu.get_cpu_capability()), and the count they are padded to. With the weights
-    streamed from memory (a decoding step at batch 1, SmolLM2-135M, benchmarks/verify_width.py
-    --batch-size 1 --padding both):
-    - AVX-512 (session 9's machine): two rows took longer than three, a verify of 2 tokens 49.3 ms,
-      of 3 tokens 44.2 ms, of 2 tokens padded to 3 45.8 ms (medians of 15): pad 2 to 3;
-    - AVX2 (session 12's machine): two rows are not slower, and padding them cost ~10 ms of a ~115 ms
-      verify (8 alternating pairs padded against unpadded, 7 slower padded, mean +10 ms): no padding."""
+    streamed from memory (a decoding step at batch 1, SmolLM2-135M; measure with
+    benchmarks/verify_width.py --batch-size 1 --padding both):
+    - AVX-512: a two-row product is slower than a three-row one, so two rows are padded to three;
+    - AVX2: two rows are not slower, and padding them costs time: no padding."""
     return {2: 3} if capability.upper().startswith("AVX512") else {}
 
 

@@ -1,4 +1,4 @@
-"""Checkers for the invariants I1-I6 and S1-S4 (see proofs_notes/ and DESIGN).
+"""Checkers for the invariants I1-I6 and S1-S4 (see proofs_notes/ and docs/guarantees.md).
 
 Every checker takes NumPy arrays or torch tensors and returns a list of `Violation`s (empty when
 the invariant holds); none of them asserts. They are written from the statements of the

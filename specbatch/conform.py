@@ -1,7 +1,7 @@
 """Conformance vectors and the output checker: verify any engine's batch speculative decoding.
 
 `make_vectors(target, out_dir)` writes a self-contained workload built to hit the failure classes
-of batch speculative decoding (DESIGN.md section 4), with the target's greedy answers at batch 1
+of batch speculative decoding (docs/guarantees.md, "Known failure classes"), with the target's greedy answers at batch 1
 and, at every answer position, the target's top logits (so the checker needs no model):
 
     manifest.json    model identity (config and weights hashes, dtype, vocabulary), the EOS ids,
