@@ -14,7 +14,7 @@ Variants (ragged, the default draft and options unless named):
                 draft runs its own lookup besides the engine's (the same proposals)
   min-match-3   prompt lookup proposes only where 3 or more tokens match, at every batch size (the
                 lookup-first draft's min_match; its default is 2)
-  short-lookup  the lookup's 2-token matches propose at every batch size (the controller no longer asks
+  short-lookup  the lookup's 2-token matches propose at every batch size (the controller does not ask
                 for 3 matching tokens from DraftController.LONG_MATCH_FROM_ROWS rows up)
   floor-everywhere  the floor (draft_floor: a row proposes the token of the step that stops it when its
                 confidence is at least the floor) at every batch size (the controller raises the round's floor

@@ -1,7 +1,7 @@
 """Packed prefill: new prompts' real tokens only, several prompts to a forward, no padding.
 
-A batch of new requests used to be prefilled as a left-padded rectangle, rows x longest prompt:
-13 Spec-Bench prompts of 40-769 tokens made 9,997 token positions for 2,246 real tokens. Here the
+A left-padded rectangle would cost rows x longest prompt: 13 Spec-Bench prompts of 40-769 tokens
+make 9,997 token positions for 2,246 real tokens. Here the
 prompts are laid back to back in one sequence per pack (at most `PACK_TOKENS` tokens, a longer
 prompt alone), with
 - position ids restarting at 0 for each prompt (I2),

@@ -248,7 +248,7 @@ class DraftController:
     # longer ones (benchmarks/lookup_acceptance.py), and the rows without a long match draft by the
     # feature head instead. At batch 1, where a verify token costs ~1 ms of a round, the 2-token matches
     # pay (0.93x and 0.97x without them), while batch 4 and 8 gained 3-6% (benchmarks/controller_ab.py
-    # --variants default,min-match-3, before this rule; short-lookup switches it off).
+    # --variants default,short-lookup compares them).
     LONG_MATCH_FROM_ROWS = 3
     LONG_MATCH = 3
     # The round ledger stops drafting from this many rows up. Below it an accepted token is worth a
