@@ -119,14 +119,23 @@ def strip_quantization_config(path: Path) -> None:
 
 
 def load_smollm2(dtype: torch.dtype):
-    folder = cache_dir() / "smollm2" / "converted"
+    root = cache_dir()
+    if root.exists() and not root.is_dir():
+        raise ModelLoadError(f"the specbatch cache {root} is not a folder (SPECBATCH_CACHE or ~/.cache/specbatch); "
+                             "point SPECBATCH_CACHE at a folder")
+    folder = root / "smollm2" / "converted"
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not (folder / "config.json").is_file():
         model, tokenizer = load_gguf(fetch_smollm2(), torch.float32)
         plain_copy(model).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-    strip_quantization_config(folder / "config.json")
-    return (AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), AutoTokenizer.from_pretrained(folder))
+    try:
+        strip_quantization_config(folder / "config.json")
+        return (AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), AutoTokenizer.from_pretrained(folder))
+    except Exception as e:  # a truncated or mismatched cached copy: anything transformers or json raise
+        message = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ModelLoadError(f"the cached SmolLM2 in {folder} cannot be loaded ({message}); delete that folder "
+                             f"(rm -r {folder}) and it is rebuilt from the downloaded GGUF on the next run") from None
 
 
 def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):

@@ -34,6 +34,7 @@ import numpy as np
 from .checks import (check_alignment, check_mask, check_positions, check_proposal_lengths, check_round_commit,
                      check_stop)
 from .violations import Violation
+from ..io import InputError, check_input_file, loads_strict, open_for_writing
 
 TRACE_VERSION = 2
 
@@ -48,7 +49,7 @@ class TraceWriter:
     def __init__(self, path, *, layout: str, strategy: str, eos_token_ids, max_new_tokens,
                  num_requests: int, window: int | None = None, num_draft_tokens: int = 0,
                  draft_threshold: float = 0.0, draft_floor: float | None = None):
-        self.file = open(path, "w")
+        self.file = open_for_writing(path)
         budgets = ([int(m) for m in max_new_tokens] if isinstance(max_new_tokens, (list, tuple))
                    else int(max_new_tokens))
         self._write({"trace": "specbatch", "version": TRACE_VERSION, "layout": layout, "strategy": strategy,
@@ -77,8 +78,10 @@ def mask_strings(allowed: np.ndarray) -> list[str]:
 
 def read_trace(path) -> tuple[dict, list[dict], dict | None]:
     path = Path(path)
-    if not path.is_file():
-        raise TraceError(f"{path}: no such file")
+    try:
+        check_input_file(path, "trace")
+    except InputError as e:
+        raise TraceError(str(e)) from None
     header, rounds, results = None, [], None
     try:
         with open(path) as f:
@@ -86,9 +89,9 @@ def read_trace(path) -> tuple[dict, list[dict], dict | None]:
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise TraceError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+                    obj = loads_strict(line, f"{path}:{number}")
+                except InputError as e:
+                    raise TraceError(str(e)) from None
                 if not isinstance(obj, dict):
                     raise TraceError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
                 if header is None:

@@ -149,11 +149,11 @@ def plot(rows, out_dir: Path) -> list[str]:
 
 def prompt_categories(path) -> list[str]:
     """The `category` of each line of a JSONL prompt file (Spec-Bench has one; "all" where missing)."""
-    from .io import text_lines
+    from .io import InputError, loads_strict, text_lines
     lines = [line for line in text_lines(Path(path), "prompt file") if line.strip()]
     try:
-        objects = [json.loads(line) for line in lines]
-    except json.JSONDecodeError:
+        objects = [loads_strict(line, str(path)) for line in lines]
+    except InputError:
         objects = None
     if objects is None or not all(isinstance(o, dict) for o in objects):
         raise UserError(f"--per-category needs a JSONL prompt file (objects with a 'category'); {path} is not one")
@@ -183,17 +183,22 @@ def read_peer(path, ident_order, UserError) -> tuple[dict, list]:
     """Another engine's results (benchmarks/peer_vllm.py writes them): a header line with `seconds`
     (its generate call's wall time) and optional `label`, then {"id", "token_ids"} per request.
     Returns (header, token ids per prompt in `ident_order`, None where the file has no such id)."""
+    from .io import InputError, loads_strict, text_lines
     try:
-        lines = [json.loads(line) for line in Path(path).read_text(encoding="utf-8-sig").split("\n") if line.strip()]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"--compare {path}: cannot read it ({e})") from None
-    if not lines or not isinstance(lines[0], dict) or not isinstance(lines[0].get("seconds"), (int, float)):
+        lines = [loads_strict(line, f"{path}:{n}") for n, line in enumerate(text_lines(Path(path), "--compare file"), 1)
+                 if line.strip()]
+    except InputError as e:
+        raise UserError(f"--compare: {e}") from None
+    seconds = lines[0].get("seconds") if lines and isinstance(lines[0], dict) else None
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds >= 0:
         raise UserError(f"--compare {path}: the first line must be a header with the engine's 'seconds'")
     by_id = {}
     for n, rec in enumerate(lines[1:], 2):
-        if not isinstance(rec, dict) or "id" not in rec or not isinstance(rec.get("token_ids"), list):
-            raise UserError(f"--compare {path}:{n}: expected {{\"id\": ..., \"token_ids\": [...]}}")
-        by_id[str(rec["id"])] = [int(t) for t in rec["token_ids"]]
+        tokens = rec.get("token_ids") if isinstance(rec, dict) else None
+        if (not isinstance(rec, dict) or not isinstance(rec.get("id"), (str, int)) or isinstance(rec["id"], bool)
+                or not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+            raise UserError(f"--compare {path}:{n}: expected {{\"id\": ..., \"token_ids\": [integers]}}")
+        by_id[str(rec["id"])] = tokens
     return lines[0], [by_id.get(ident) for ident in ident_order]
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from .errors import UserError
 from .options import (DTYPES, SAMPLING_MODES, STRATEGIES, GenerateOptions, OptionError, check_arrival_rate,
@@ -82,8 +83,11 @@ def int_list(text: str) -> list[int]:
 # ---------------------------------------------------------------- commands
 
 def cmd_generate(args) -> int:
+    import glob
+
     from . import distributed
-    from .io import InputError, ResultWriter, check_output_path, read_done
+    from .io import InputError, OutputLock, ResultWriter, check_output_path, read_done
+    from .resume import check_kept, check_same_run, run_record, write_record
     try:  # everything about the files before any model is loaded
         if args.out:
             check_output_path(args.out, "--out", {"--prompts": args.prompts, "--trace": args.trace})
@@ -95,23 +99,45 @@ def cmd_generate(args) -> int:
     order = [ident for ident, _ in prompts]
     opts, _ = options_from_args(args)
     rank, size = distributed.init_from_env(opts.device)
-    parts = [f"{args.out}.part{r}" for r in range(size)] if args.out else []
+    lock = None
     previous = {}
-    if args.resume and args.out:
-        try:
-            for path in [args.out] + parts:
+    # every part file there, whatever the world size of the run that wrote it; kept until merged
+    stale = sorted(glob.glob(glob.escape(str(args.out)) + ".part*")) if args.out else []
+    try:
+        if args.out:
+            lock = OutputLock(args.out, rank)  # a second run on this --out is refused (released on exit)
+        if stale and not args.resume:
+            raise InputError(f"{stale[0]} holds results of an interrupted run on --out {args.out}; continue it with "
+                             "--resume, or remove the part files to start afresh")
+        if args.resume and args.out:
+            for path in [args.out] + stale:
+                check_output_path(path, "--out" if path == args.out else "part file", {})
                 previous.update(read_done(path, known_ids=order))
-        except InputError as e:
-            raise UserError(str(e)) from None
+    except InputError as e:
+        raise UserError(str(e)) from None
     opts = dataclasses.replace(opts, device=distributed.local_device(opts.device))
     target, draft, tokenizer = load(args.target, args.draft, dtype=opts.dtype, device=opts.device)
     ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
+    if args.out:
+        from .fast.models import eos_ids_of, vocab_size
+        record_now = run_record(target_spec=args.target, draft_spec=args.draft, target=target, draft=draft,
+                                prompts_file=args.prompts, chat_template=args.chat_template, options=opts)
+        try:
+            if args.resume and (previous or Path(f"{args.out}.settings.json").exists()):
+                check_same_run(args.out, record_now)
+                check_kept(previous, vocab=vocab_size(target), eos_ids=eos_ids_of(target),
+                           budget=opts.max_new_tokens, where=args.out)
+            elif rank == 0:
+                write_record(args.out, record_now)
+        except InputError as e:
+            raise UserError(str(e)) from None
     todo = [i for i, ident in enumerate(order) if ident not in previous]
     mine = [todo[j] for j in distributed.shard(len(todo), rank, size)]  # all of todo when not distributed
     if previous and rank == 0:
         print(f"resuming: {len(previous)} of {len(order)} requests already in {args.out}", file=sys.stderr)
-    if size > 1 and args.out:  # each rank streams its own part file; rank 0 merges them at the end
-        writer = ResultWriter(parts[rank], order, {})
+    parts = [f"{args.out}.part{r}" for r in range(size)] if args.out else []
+    if size > 1 and args.out:  # each rank appends to its own part file; rank 0 merges them at the end
+        writer = ResultWriter(parts[rank], order, {}, append=True)
     else:
         writer = ResultWriter(args.out, order, previous) if args.out else None
 
@@ -141,11 +167,17 @@ def cmd_generate(args) -> int:
         distributed.gather(None)  # every rank has finished its part
         if rank == 0 and args.out:
             done = dict(previous)
-            for path in parts:
+            every_part = sorted(set(stale) | set(parts))
+            for path in every_part:
                 done.update(read_done(path))
-            ResultWriter(args.out, order, done).finish()
-            for path in parts:
-                __import__("os").remove(path)
+            ResultWriter(args.out, order, done).finish()  # OUT holds every result before any part goes
+            for path in every_part:
+                os.remove(path)
+    elif args.out:
+        for path in stale:  # a resumed single-process run: the parts' results are in OUT now
+            os.remove(path)
+    if lock is not None:
+        lock.release()
     distributed.shutdown()
     if result is not None:
         st = result.stats
@@ -224,7 +256,8 @@ def cmd_conform(args) -> int:
             print(f"{manifest['num_requests']} requests in {out} (classes: {', '.join(manifest['classes'])}); "
                   f"EOS ids {manifest['eos_token_ids']}, pad id {manifest['pad_token_id']}")
             return 0
-        vectors = load_vectors(args.vectors)
+        vectors = load_vectors(args.vectors, allow_modified=args.allow_modified,
+                               warn=lambda message: print(f"warning: {message}", file=sys.stderr))
         outputs, warnings = read_outputs(args.outputs)
         for w in warnings[:5]:
             print(f"warning: {w}", file=sys.stderr)
@@ -405,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("outputs", help="JSONL with id and token_ids per request (text only: compared as text)")
     c.add_argument("--target", help="also check that this model is the one the vectors were made with")
     c.add_argument("--tie-ulps", type=float, default=None, help="tie threshold in ulps (default: the dtype's)")
+    c.add_argument("--allow-modified", action="store_true", help="check against vectors whose files differ from "
+                   "the manifest's checksums (with a warning) instead of refusing them")
     p.set_defaults(run=cmd_conform)
 
     p = sub.add_parser("check-trace", help="validate a round trace against the invariants (exit 0 valid, "

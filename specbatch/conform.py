@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-VECTORS_VERSION = 1
+MIN_CONTEXT = 64  # the longest request of the fixed classes: a 39-token prompt + 16 new tokens, with room
+VECTORS_VERSION = 2  # 2: the manifest holds the SHA-256 of requests.jsonl and reference.jsonl
 TOP = 8  # logits kept per answer position
 CLASSES = ("pad-in-prompt", "eos-offset", "budget-mid-round", "short-and-long", "duplicate", "churn",
            "wide-margin")
@@ -109,6 +111,9 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
         add("eos-offset", prompt, 12)
     for budget in range(1, 10):  # budgets ending at every offset of a round
         add("budget-mid-round", draw(rng.integers(2, 30)), budget)
+    if (context_limit(target) or MIN_CONTEXT) < MIN_CONTEXT:
+        raise VectorError(f"the target's context of {context_limit(target)} positions is too short for conformance "
+                          f"vectors (their requests need up to {MIN_CONTEXT})")
     limit = min(context_limit(target) or max_context, max_context)
     for n in (1, 1, limit - 40, 1, limit - 24):  # 1-token prompts beside prompts near the context limit
         add("short-and-long", draw(max(n, 1)), 16)
@@ -139,7 +144,6 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
                     suggested=dict(batch_sizes=[1, 3, 8, count],
                                    orders=dict(input=order, reversed=order[::-1],
                                                shuffled=rng.permutation(count).tolist())))
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     with open(out / "requests.jsonl", "w", encoding="utf-8") as f:
         for r in requests:
             row = dict(r, eos_token_ids=eos)
@@ -153,6 +157,8 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
             if tokenizer is not None:
                 row["text"] = tokenizer.decode(a)
             f.write(json.dumps(row) + "\n")
+    manifest["checksums"] = {name: file_digest(out / name) for name in ("requests.jsonl", "reference.jsonl")}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -166,24 +172,72 @@ def _default_ulps(dtype: str) -> float:
 # ---------------------------------------------------------------- reading
 
 def _jsonl(path: Path, what: str) -> list[dict]:
+    """The JSON objects of a JSONL file, each with an 'id', read by specbatch.io's strict reader."""
+    from .io import InputError, loads_strict, text_lines
     try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except OSError as e:
-        raise VectorError(f"cannot read {what} {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise VectorError(f"{path}: {what} is not UTF-8 text") from None
+        lines = text_lines(path, what)
+    except InputError as e:
+        raise VectorError(str(e)) from None
     rows = []
-    for n, line in enumerate(text.split("\n"), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise VectorError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+            obj = loads_strict(line, f"{path}:{n}")
+        except InputError as e:
+            raise VectorError(str(e)) from None
         if not isinstance(obj, dict) or "id" not in obj:
             raise VectorError(f"{path}:{n}: expected a JSON object with an 'id'")
         rows.append(obj)
     return rows
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_list(value, nonempty: bool = False) -> bool:
+    return isinstance(value, list) and (bool(value) or not nonempty) and all(_is_int(t) and t >= 0 for t in value)
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _check_manifest(manifest, where: str) -> None:
+    if not isinstance(manifest, dict) or manifest.get("format") != "specbatch-conformance":
+        raise VectorError(f"{where}: not a specbatch conformance manifest")
+    if manifest.get("dtype") not in ("float32", "float64", "bfloat16", "float16"):
+        raise VectorError(f"{where}: field 'dtype' must be a floating-point dtype name, got {manifest.get('dtype')!r}")
+    for name in ("num_requests", "vocab_size"):
+        if not _is_int(manifest.get(name)) or manifest[name] < 1:
+            raise VectorError(f"{where}: field {name!r} must be a positive integer, got {manifest.get(name)!r}")
+    if not _token_list(manifest.get("eos_token_ids")):
+        raise VectorError(f"{where}: field 'eos_token_ids' must be a list of token ids")
+
+
+def _check_request(r: dict, where: str, vocab: int) -> None:
+    if not isinstance(r.get("class"), str):
+        raise VectorError(f"{where}: request {r['id']!r}: field 'class' is missing or not a string")
+    if not _token_list(r.get("token_ids"), nonempty=True) or max(r["token_ids"]) >= vocab:
+        raise VectorError(f"{where}: request {r['id']!r}: field 'token_ids' must be a non-empty list of ids below {vocab}")
+    if not _is_int(r.get("max_new_tokens")) or r["max_new_tokens"] < 1:
+        raise VectorError(f"{where}: request {r['id']!r}: field 'max_new_tokens' must be a positive integer")
+    if not _token_list(r.get("eos_token_ids")):
+        raise VectorError(f"{where}: request {r['id']!r}: field 'eos_token_ids' must be a list of token ids")
+
+
+def _check_reference(r: dict, where: str) -> None:
+    if not _token_list(r.get("token_ids")):
+        raise VectorError(f"{where}: reference {r['id']!r}: field 'token_ids' must be a list of token ids")
+    top = r.get("top")
+    ok = isinstance(top, list) and len(top) == len(r["token_ids"]) and all(
+        isinstance(t, list) and len(t) >= 2 and all(
+            isinstance(pair, list) and len(pair) == 2 and _is_int(pair[0]) and isinstance(pair[1], (int, float))
+            and not isinstance(pair[1], bool) and math.isfinite(pair[1]) for pair in t) for t in top)
+    if not ok:
+        raise VectorError(f"{where}: reference {r['id']!r}: field 'top' must hold, for each answer token, at least two "
+                          "[token, finite logit] pairs")
 
 
 @dataclass
@@ -201,20 +255,43 @@ class Vectors:
         return [r["max_new_tokens"] for r in self.requests]
 
 
-def load_vectors(path) -> Vectors:
+def load_vectors(path, allow_modified: bool = False, warn=None) -> Vectors:
+    """The vectors in folder `path`, every field checked (VectorError naming the file, request and
+    field), and their files checked against the manifest's SHA-256 checksums: altered or shortened
+    vectors are refused, or with allow_modified reported through warn(message) and used."""
+    from .io import InputError, loads_strict, text_lines
+    if isinstance(path, (Vectors, dict)) or not isinstance(path, (str, Path)):
+        raise VectorError(f"vectors must be a folder path or loaded Vectors, got {type(path).__name__}")
     path = Path(path)
+    if not path.is_dir():
+        raise VectorError(f"{path}: not a folder of conformance vectors" + (" (it is a file)" if path.exists() else ""))
+    if not (path / "manifest.json").exists():
+        raise VectorError(f"{path}: no manifest.json (not a conformance vector folder)")
     try:
-        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise VectorError(f"{path}: no manifest.json (not a conformance vector folder)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise VectorError(f"{path}/manifest.json: malformed JSON") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != "specbatch-conformance":
-        raise VectorError(f"{path}/manifest.json: not a specbatch conformance manifest")
+        manifest = loads_strict("\n".join(text_lines(path / "manifest.json", "manifest")), f"{path}/manifest.json")
+    except InputError as e:
+        raise VectorError(str(e)) from None
+    _check_manifest(manifest, f"{path}/manifest.json")
+    checksums = manifest.get("checksums") if isinstance(manifest.get("checksums"), dict) else {}
+    for name in ("requests.jsonl", "reference.jsonl"):
+        if not (path / name).is_file():
+            raise VectorError(f"{path}: {name} is missing")
+        if checksums.get(name) != file_digest(path / name):
+            problem = (f"{path}/{name} differs from the vectors that were made (its SHA-256 is not the manifest's)"
+                       if name in checksums else f"{path}/manifest.json has no checksum of {name}")
+            if not allow_modified:
+                raise VectorError(f"{problem}; make them again, or pass --allow-modified to check against them anyway")
+            if warn is not None:
+                warn(f"{problem}; checking against them anyway (--allow-modified)")
     requests = _jsonl(path / "requests.jsonl", "requests file")
-    reference = {r["id"]: r for r in _jsonl(path / "reference.jsonl", "reference file")}
-    if [r["id"] for r in requests] != list(reference) or len(requests) != manifest.get("num_requests"):
-        raise VectorError(f"{path}: requests.jsonl, reference.jsonl and the manifest disagree")
+    for r in requests:
+        _check_request(r, f"{path}/requests.jsonl", manifest["vocab_size"])
+    reference = {}
+    for r in _jsonl(path / "reference.jsonl", "reference file"):
+        _check_reference(r, f"{path}/reference.jsonl")
+        reference[r["id"]] = r
+    if [r["id"] for r in requests] != list(reference) or len(requests) != manifest["num_requests"]:
+        raise VectorError(f"{path}: requests.jsonl, reference.jsonl and the manifest disagree (ids or count)")
     return Vectors(manifest, requests, reference)
 
 

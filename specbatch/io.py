@@ -14,8 +14,11 @@ those requests and writes the union in input order.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
+import tempfile
 from pathlib import Path
 
 
@@ -27,9 +30,60 @@ class OutputError(Exception):
     """Writing results failed (a full disk, a lost folder); what was flushed before stays readable."""
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_strings(value, where: str):
+    """Refuse lone surrogates (a JSON escape such as \\ud800 decodes to one, which no UTF-8 file holds)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InputError(f"{where}: a string holds a lone surrogate (an escape such as \\ud800 with no pair)"
+                                 ) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def loads_strict(text: str, where: str):
+    """One JSON value from `text`, or an InputError naming `where` (file:line) and the problem:
+    malformed JSON, nesting deeper than Python's recursion limit, NaN or Infinity, an integer of
+    more than 4,300 digits, a lone surrogate. Every JSON and JSONL input of specbatch is read here."""
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply to read") from None
+    except ValueError as e:  # NaN / Infinity, an integer past Python's digit limit
+        raise InputError(f"{where}: {str(e).split(';')[0]}") from None
+    _check_strings(value, where)
+    return value
+
+
+def check_input_file(path, what: str) -> Path:
+    """A regular file to read: a FIFO, a device or a folder is refused (reading one could wait forever)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"no such {what}: {path}")
+    if path.is_dir():
+        raise InputError(f"{what} {path} is a folder, not a file")
+    if not path.is_file():
+        raise InputError(f"{what} {path} is not a regular file (a FIFO, device or socket); refusing to read it")
+    return path
+
+
 def text_lines(path: Path, what: str) -> list[str]:
     """The file's lines, split on \n only (a U+2028 or a form feed inside a line stays in it), a
-    UTF-8 byte-order mark dropped, \r\n line ends accepted."""
+    UTF-8 byte-order mark dropped, \r\n line ends accepted. Only regular files are read."""
+    path = check_input_file(path, what)
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -43,8 +97,6 @@ def read_prompts(path) -> list[tuple[str, str]]:
     """[(id, text)] in file order. A `.jsonl` (or `.json`) file must hold one JSON object per line;
     other files are JSONL when their first line starts with "{", else plain text, one prompt per line."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"no such prompt file: {path}")
     lines = text_lines(path, "prompt file")
     numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not numbered:
@@ -54,10 +106,7 @@ def read_prompts(path) -> list[tuple[str, str]]:
         return [(str(i), line) for i, (_, line) in enumerate(numbered)]
     prompts = []
     for i, (n, line) in enumerate(numbered):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
+        obj = loads_strict(line, f"{path}:{n}")
         if not isinstance(obj, dict):
             raise InputError(f"{path}:{n}: expected a JSON object with a 'prompt' field")
         if isinstance(obj.get("prompt"), str):
@@ -95,11 +144,11 @@ def read_done(path, known_ids=None) -> dict:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            if n - 1 == last:
+            obj = loads_strict(line, f"{path}:{n}")
+        except InputError as e:
+            if n - 1 == last and "malformed JSON" in str(e):
                 continue  # the torn last line of an interrupted run
-            raise InputError(f"{path}:{n}: malformed result line ({e.msg}); fix or remove it to resume") from None
+            raise InputError(f"{e}; fix or remove the line to resume") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), (str, int)) or isinstance(obj.get("id"), bool):
             raise InputError(f"{path}:{n}: a result line must be a JSON object with an 'id'")
         tokens = obj.get("token_ids")
@@ -144,14 +193,81 @@ def check_output_path(path, what: str, others: dict) -> Path:
     return path
 
 
+# ---------------------------------------------------------------- writing files we own
+
+def open_for_writing(path, append: bool = False):
+    """A text file opened to write `path` itself: never through a symlink, never a FIFO, device or
+    folder (OutputError in one line instead). append=False truncates a regular file; every file
+    specbatch writes in place is opened here."""
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_APPEND if append else 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        reason = {errno.ELOOP: "is a symlink", errno.EISDIR: "is a directory",
+                  errno.ENXIO: "is a FIFO with no reader"}.get(e.errno, e.strerror)
+        raise OutputError(f"cannot write {path}: it {reason}; refusing to write through it" if e.errno in
+                          (errno.ELOOP, errno.EISDIR, errno.ENXIO) else f"cannot write {path}: {reason}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OutputError(f"cannot write {path}: it is not a regular file (a FIFO, device or socket)")
+    os.set_blocking(fd, True)
+    if not append:
+        os.ftruncate(fd, 0)
+    return os.fdopen(fd, "w", encoding="utf-8")
+
+
+def replace_atomically(path, lines) -> None:
+    """Write `lines` to a new temporary file in path's folder (created exclusively, with a unique
+    name: nothing already there is followed or reused), fsync it and rename it over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class OutputLock:
+    """Holds `OUT.lock` so that a second run on the same --out is refused in one line. Each rank locks
+    its own byte of the file (POSIX record locks, released by the OS on exit, also on SIGKILL), so
+    the ranks of one torchrun run do not block each other and any rank of a second run is refused."""
+
+    def __init__(self, out, rank: int = 0):
+        import fcntl
+        self.path = Path(f"{out}.lock")
+        self.file = open_for_writing(self.path, append=True)
+        try:
+            fcntl.lockf(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB, 1, rank)
+        except OSError:
+            self.file.close()
+            raise InputError(f"--out {out} is in use by another specbatch run (it holds {self.path}); wait for it "
+                             "to finish or choose another --out") from None
+
+    def release(self) -> None:
+        self.file.close()
+
+
 class ResultWriter:
     """Appends one flushed line per finished request; `finish` rewrites the file in input order."""
 
-    def __init__(self, path, order: list[str], previous: dict):
+    def __init__(self, path, order: list[str], previous: dict, append: bool = False):
+        """previous: results already on disk (kept: the file is rewritten with them first).
+        append: add to the file as it is (a part file of a torchrun run: never truncated; a torn
+        last line, which holds no complete result, is cut first)."""
         self.path, self.order, self.results = Path(path), order, dict(previous)
+        if append:
+            self.file = open_for_writing(self.path, append=True)
+            _cut_torn_tail(self.path, self.file)
+            return
         if previous:  # start from a clean file (a crash may have torn the last line)
             self._rewrite()
-        self.file = open(self.path, "a" if previous else "w", encoding="utf-8")
+        self.file = open_for_writing(self.path, append=bool(previous))
 
     def add(self, record: dict) -> None:
         self.results[record["id"]] = record
@@ -172,16 +288,17 @@ class ResultWriter:
 
     def _rewrite(self) -> None:
         """Input order, written beside the file and renamed over it: a failure leaves the old file."""
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                for ident in self.order:
-                    if ident in self.results:
-                        f.write(json.dumps(self.results[ident]) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            replace_atomically(self.path, [json.dumps(self.results[ident]) + "\n" for ident in self.order
+                                           if ident in self.results])
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise OutputError(f"cannot rewrite {self.path} in input order: {e.strerror}; its results (in completion "
                               "order) stay readable, and --resume completes them") from None
+
+
+def _cut_torn_tail(path: Path, file) -> None:
+    """Drop a last line without its newline (a write killed midway holds no complete result)."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        file.flush()
+        os.truncate(path, data.rfind(b"\n") + 1)

@@ -20,6 +20,7 @@ below; wrap any other engine the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from .conform import Report, Vectors, check_outputs, load_vectors, make_vectors, reference_outputs
 
@@ -80,27 +81,93 @@ def hf_assisted_engine(target, draft=None, prompt_lookup_num_tokens: int | None 
 
 # ---------------------------------------------------------------- vectors through an engine
 
-def run_vectors(generate_fn, vectors: Vectors, batch_size: int, order: list[int]) -> list[dict]:
-    """The engine's outputs on the vectors, requests submitted in `order`, as rows with id and token_ids."""
+def _is_token(value) -> bool:
+    """A token id as an engine may return it: a Python or NumPy integer, never a bool, float or str."""
+    import numbers
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_list(value):
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (list, tuple)) else value
+
+
+def call_engine(generate_fn, prompts, budgets, eos, batch_size, timeout: float | None):
+    """generate_fn's outputs, or ConformanceError if it raises, does not return within `timeout`
+    seconds (None: no limit), or returns anything but one list of integer token ids per prompt."""
+    if timeout is None:
+        got = generate_fn(prompts, budgets, eos, batch_size)
+    else:
+        import threading
+        box: dict = {}
+
+        def run():
+            try:
+                box["got"] = generate_fn(prompts, budgets, eos, batch_size)
+            except BaseException as e:  # reported below, in the caller's thread
+                box["error"] = e
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise ConformanceError(f"the engine did not return within {timeout:g} s ({len(prompts)} prompts, "
+                                   f"batch {batch_size})")
+        if "error" in box:
+            raise box["error"]
+        got = box["got"]
+    got = _as_list(got)
+    if not isinstance(got, (list, tuple)):
+        raise ConformanceError(f"the engine returned {type(got).__name__}, not one token list per prompt")
+    if len(got) != len(prompts):
+        raise ConformanceError(f"the engine returned {len(got)} outputs for {len(prompts)} prompts")
+    return [_as_list(tokens) for tokens in got]
+
+
+def run_vectors(generate_fn, vectors: Vectors, batch_size: int, order: list[int], timeout: float | None = None
+                ) -> list[dict]:
+    """The engine's outputs on the vectors, requests submitted in `order`, as rows with id and
+    token_ids; ConformanceError naming the request for anything that is not a list of integer ids."""
     eos = vectors.manifest["eos_token_ids"]
     prompts = [vectors.prompts[i] for i in order]
     budgets = [vectors.budgets[i] for i in order]
-    got = generate_fn(prompts, budgets, eos, batch_size)
-    if len(got) != len(order):
-        raise ConformanceError(f"the engine returned {len(got)} outputs for {len(order)} prompts")
-    return [dict(id=vectors.requests[i]["id"], token_ids=[int(t) for t in tokens]) for i, tokens in zip(order, got)]
+    rows = []
+    for i, tokens in zip(order, call_engine(generate_fn, prompts, budgets, eos, batch_size, timeout)):
+        ident = vectors.requests[i]["id"]
+        if not isinstance(tokens, (list, tuple)):
+            raise ConformanceError(f"request {ident!r}: the engine returned {type(tokens).__name__}, not a token list")
+        bad = next((t for t in tokens if not _is_token(t)), None)
+        if bad is not None:
+            raise ConformanceError(f"request {ident!r}: token {bad!r} ({type(bad).__name__}) is not an integer id")
+        rows.append(dict(id=ident, token_ids=[int(t) for t in tokens]))
+    return rows
 
 
-def check_engine(generate_fn, vectors, batch_sizes=None, orders=("input", "shuffled"), ulps=None) -> list[Report]:
+def _vectors_for(vectors) -> Vectors:
+    """Vectors from a folder path, loaded Vectors, or a model (vectors are made for it in a temporary folder)."""
+    if isinstance(vectors, Vectors):
+        return vectors
+    if isinstance(vectors, (str, Path)):
+        return load_vectors(vectors)
+    if hasattr(vectors, "parameters") and hasattr(vectors, "config"):
+        import tempfile
+        folder = Path(tempfile.mkdtemp(prefix="specbatch-vectors-"))
+        make_vectors(vectors, folder)
+        return load_vectors(folder)
+    raise ConformanceError(f"vectors must be a folder, specbatch.conform.Vectors or a model, got "
+                           f"{type(vectors).__name__}")
+
+
+def check_engine(generate_fn, vectors, batch_sizes=None, orders=("input", "shuffled"), ulps=None,
+                 timeout: float | None = None) -> list[Report]:
     """Run the vectors (a folder, Vectors, or a model to make them for) at each batch size and order;
-    raise ConformanceError naming every algorithmic divergence. Returns the reports."""
-    if not isinstance(vectors, Vectors):
-        vectors = load_vectors(vectors)
+    raise ConformanceError naming every algorithmic divergence, and for outputs that are not one list
+    of integer token ids per prompt, or a call that takes longer than `timeout` seconds. Returns the reports."""
+    vectors = _vectors_for(vectors)
     suggested = vectors.manifest["suggested"]
     reports, failures = [], []
     for batch in batch_sizes or suggested["batch_sizes"]:
         for name in orders:
-            report = check_outputs(vectors, run_vectors(generate_fn, vectors, batch, suggested["orders"][name]), ulps)
+            outputs = run_vectors(generate_fn, vectors, batch, suggested["orders"][name], timeout)
+            report = check_outputs(vectors, outputs, ulps)
             reports.append(report)
             if not report.conformant:
                 failures += [f"batch {batch}, {name} order: {line}" for line in report.lines()]
@@ -126,6 +193,7 @@ class Counterexample:
                 f"    max_new_tokens = {self.max_new_tokens!r}\n"
                 f"    eos_token_ids = {self.eos_token_ids!r}\n"
                 f"    expected = {self.expected!r}  # target-only greedy decoding at batch 1\n"
+                f"    # the engine returned {self.got!r}\n"
                 f"    assert {engine}(prompts, max_new_tokens, eos_token_ids, batch_size={self.batch_size}) == expected\n")
 
 

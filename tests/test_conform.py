@@ -87,10 +87,12 @@ def test_a_near_tie_is_a_floating_point_tie(vectors, tmp_path):
     top = victim["top"][2]
     top[1][1] = top[0][1] - 1e-13  # the runner-up within a few float64 ulps of the top
     (folder / "reference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref))
-    rows = reference_rows(folder)
+    rows = reference_rows(vectors)
     out = next(r for r in rows if r["id"] == victim["id"])
     out["token_ids"] = out["token_ids"][:2] + [top[1][0]]  # took the runner-up, then stopped
-    report = check_outputs(folder, rows)
+    warnings = []
+    report = check_outputs(load_vectors(folder, allow_modified=True, warn=warnings.append), rows)  # edited on purpose
+    assert len(warnings) == 1 and "reference.jsonl differs" in warnings[0]
     verdicts = {r["id"]: r["verdict"] for r in report.requests}
     assert verdicts[victim["id"]] == "tie" and report.conformant
     assert sum(v != "exact" for v in verdicts.values()) == 1

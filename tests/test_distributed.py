@@ -56,3 +56,63 @@ def test_python_api_without_a_launcher_equals_generate():
         got = specbatch.distributed.generate(target, target, prompts, max_new_tokens=6, **kw)
         assert got.sequences == want.sequences and got.stop_reasons == want.stop_reasons
     assert specbatch.distributed.shard(7, 1, 3) == [1, 4]
+
+
+@pytest.mark.full  # four torchrun launches
+def test_killed_twice_and_resumed_under_torchrun_gives_the_uninterrupted_file(setup, tmp_path):
+    """Kill a 2-process run mid-way, resume it, kill the resumed run, resume again: every result
+    survives both kills (part files are appended to, never truncated) and the final file equals an
+    uninterrupted single-process run's."""
+    import os
+    import signal
+    import time
+    root, target, draft, _ = setup
+    prompts = tmp_path / "many.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS * 6)))
+    common = ["generate", "--target", target, "--draft", draft, "--prompts", str(prompts), "--dtype", "float64",
+              "--max-new-tokens", "24", "--batch-size", "1"]
+    whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
+    assert subprocess.run([sys.executable, "-m", "specbatch", *common, "--out", str(whole)], capture_output=True,
+                          timeout=300).returncode == 0
+    total = len(PROMPTS) * 6
+
+    def kept() -> set:
+        """The complete result lines on disk, in the output and every part file."""
+        files = [out] + list(tmp_path.glob("out.jsonl.part*"))
+        return {line for p in files if p.exists() for line in p.read_text().split("\n")[:-1]}
+
+    def on_disk() -> int:
+        return len(kept())
+
+    def launch(*extra):
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-port", str(free_port()), "-m", "specbatch", *common, "--out", str(out),
+                                 *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def kill_after(proc, at_least: int) -> int:
+        """SIGKILL the launcher and its workers (which torchrun starts in sessions of their own)."""
+        deadline = time.time() + 240
+        while time.time() < deadline and on_disk() < at_least and proc.poll() is None:
+            time.sleep(0.02)
+        for pid in [proc.pid] + [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    mine = str(out).encode() in f.read()
+                if pid == proc.pid or mine:
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:  # gone already, or not ours to read
+                pass
+        proc.wait()
+        time.sleep(0.5)  # the killed workers' files are closed
+        return on_disk()
+
+    first = kill_after(launch(), 2)
+    assert 2 <= first < total
+    after_first = kept()
+    second = kill_after(launch("--resume"), first + 2)
+    assert second < total and after_first <= kept()  # nothing the first run wrote was lost
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "-m", "specbatch", *common, "--out", str(out), "--resume"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert out.read_bytes() == whole.read_bytes() and not list(tmp_path.glob("out.jsonl.part*"))

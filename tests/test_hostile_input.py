@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,6 +235,7 @@ def test_a_torn_last_result_line_is_regenerated(folders, prompt_file, tmp_path):
     lines = whole.read_text().splitlines(keepends=True)
     out = tmp_path / "out.jsonl"
     out.write_text("".join(lines[:2]) + lines[2][:15])  # a crash mid-line
+    shutil.copy(f"{whole}.settings.json", f"{out}.settings.json")  # the same run's record
     assert main(gen_args(folders, prompt_file, "--out", str(out), "--resume")) == 0
     assert out.read_bytes() == whole.read_bytes()
 

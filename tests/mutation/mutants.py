@@ -16,6 +16,7 @@ SCHEDULING = ["tests/test_scheduling.py", "tests/test_fast_engine.py"]
 FEATURES = ["tests/test_feature_draft.py"]
 KERNELS = ["tests/test_kernels.py"]
 OPTIONS = ["tests/test_options.py"]
+HOSTILE = ["tests/test_hostile_files.py"]
 
 MUTANTS = [
     # ---- masks
@@ -200,4 +201,20 @@ MUTANTS = [
      OPTIONS),
     ("keyword-loses-to-the-options-object", "options", "specbatch/options.py",
      "return dataclasses.replace(base, **overrides), floor_chosen", "return base, floor_chosen", OPTIONS),
+    # ---- hostile files: what specbatch writes and reads
+    ("writes-follow-symlinks", "files", "specbatch/io.py",
+     "flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK",
+     "flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK", HOSTILE),
+    ("resume-ignores-the-seed", "files", "specbatch/resume.py",
+     "if name not in RESUMABLE}", "if name not in RESUMABLE + (\"seed\",)}", HOSTILE),
+    ("resume-trusts-any-token-id", "files", "specbatch/resume.py",
+     "bad = next((t for t in tokens if not 0 <= t < vocab), None)", "bad = None", HOSTILE),
+    ("vectors-checksums-unchecked", "files", "specbatch/conform.py",
+     "if checksums.get(name) != file_digest(path / name):", "if name not in checksums:", HOSTILE),
+    ("checker-takes-bools-as-ids", "files", "specbatch/testing.py",
+     "return isinstance(value, numbers.Integral) and not isinstance(value, bool)",
+     "return isinstance(value, numbers.Integral)", HOSTILE),
+    ("part-files-truncated", "files", "specbatch/cli.py",
+     "writer = ResultWriter(parts[rank], order, {}, append=True)", "writer = ResultWriter(parts[rank], order, {})",
+     HOSTILE + ["tests/test_distributed.py"]),
 ]
