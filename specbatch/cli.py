@@ -25,14 +25,21 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def int_at_least(low: int, words: str):
+    """An argparse type: an integer >= low, refused as 'expected a {words} integer'."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {words} integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a {words} integer, got {value}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1, "positive")
+non_negative_int = int_at_least(0, "non-negative")
 
 
 def probability(text: str) -> float:
@@ -58,16 +65,6 @@ def checked(check, kind: str):
         except OptionError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return parse
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
 
 
 def int_list(text: str) -> list[int]:

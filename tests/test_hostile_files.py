@@ -204,7 +204,9 @@ def test_resume_without_a_settings_record_is_refused(folders, prompt_file, finis
     out = tmp_path / "o.jsonl"
     interrupted(finished, out)
     os.remove(f"{out}.settings.json")
+    before = digest(out)
     exit_2_with(capsys, gen_args(folders, prompt_file, "--out", str(out), "--resume"), "has no o.jsonl.settings.json")
+    assert digest(out) == before and not os.path.exists(f"{out}.settings.json")  # nothing written, nothing made up
 
 
 # ---------------------------------------------------------------- 3. one strict reader
