@@ -116,3 +116,36 @@ def test_killed_twice_and_resumed_under_torchrun_gives_the_uninterrupted_file(se
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert out.read_bytes() == whole.read_bytes() and not list(tmp_path.glob("out.jsonl.part*"))
+
+
+@pytest.mark.full  # two launches each
+@pytest.mark.parametrize("processes", [1, 2])
+def test_killed_at_the_final_rewrite_and_resumed_gives_the_uninterrupted_file(setup, tmp_path, processes):
+    """SIGKILL while --out is rewritten in input order (in one process, or rank 0 merging the part
+    files of a torchrun run), then --resume: no result is lost, and the file equals an uninterrupted run's."""
+    import os
+    from pathlib import Path
+    _, target, draft, prompts = setup
+    common = ["generate", "--target", target, "--draft", draft, "--prompts", str(prompts), "--dtype", "float64",
+              "--max-new-tokens", "8", "--batch-size", "3"]
+    whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
+    assert subprocess.run([sys.executable, "-m", "specbatch", *common, "--out", str(whole)], capture_output=True,
+                          timeout=300).returncode == 0
+
+    def launcher():
+        return [sys.executable] + ([] if processes == 1 else
+                                   ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                                    str(free_port())])
+    killer = str(Path(__file__).with_name("kill_at_rewrite.py"))
+    killed = subprocess.run([*launcher(), killer, *common, "--out", str(out)], capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, KILL_AT_REWRITE_OF=str(out)))
+    assert killed.returncode != 0, "the run was to be killed at its rewrite"
+    on_disk = [out] + sorted(tmp_path.glob("out.jsonl.part*"))
+    lines = {line for p in on_disk if p.exists() for line in p.read_text().splitlines()}
+    assert lines == set(whole.read_text().splitlines())  # every result is on disk, not yet in input order
+    if processes == 2:  # the parts are kept, and the merged file never got into place
+        assert len(on_disk) == 3 and not out.exists()
+    resumed = subprocess.run([*launcher(), "-m", "specbatch", *common, "--out", str(out), "--resume"],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert out.read_bytes() == whole.read_bytes() and not list(tmp_path.glob("out.jsonl.part*"))

@@ -217,4 +217,9 @@ MUTANTS = [
     ("part-files-truncated", "files", "specbatch/cli.py",
      "writer = ResultWriter(parts[rank], order, {}, append=True)", "writer = ResultWriter(parts[rank], order, {})",
      HOSTILE + ["tests/test_distributed.py"]),
+    ("parts-removed-before-the-merge", "files", "specbatch/cli.py",
+     "            ResultWriter(args.out, order, done).finish()  # OUT holds every result before any part goes\n"
+     "            for path in every_part:\n                os.remove(path)\n",
+     "            for path in every_part:\n                os.remove(path)\n"
+     "            ResultWriter(args.out, order, done).finish()\n", ["tests/test_distributed.py"]),
 ]
