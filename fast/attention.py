@@ -14,6 +14,10 @@ half-precision inputs), times v, with grouped-query heads handled by a view inst
 On this CPU it is faster than SDPA's kernel for the few-query shapes of decoding and verifying
 (and much faster in bfloat16); many-query forwards (prefill) go to SDPA.
 
+On an accelerator (fast.backend: `grouped_attention` off) every forward is one group over all rows,
+read up to the longest visible length, and every product is one fused SDPA call (`PLAN.fused`):
+a kernel launch per group costs more there than the slots grouping saves.
+
 `engine_attention(models)` switches every Hugging Face model inside the given modules to this
 implementation for the duration of a generation and restores the previous one afterwards.
 Models whose code does not use transformers' AttentionInterface keep their own attention.
@@ -110,7 +114,7 @@ def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None
     visible = np.zeros(rows, dtype=np.int64)
     np.maximum.at(visible, token_row, token_index + 1)
     parts = []
-    for members, length in plan_parts(plan_groups(visible)):
+    for members, length in plan_parts(plan_groups(visible, PLAN.max_groups)):
         index = np.arange(rows)[members]
         width = int(count[index].max())
         j = np.arange(width)[None, :]
@@ -137,6 +141,11 @@ class Plan:
 
     parts: list | None = None
     flat: list | None = None
+    fused: bool = False  # one group of rows and SDPA's fused kernels (engine_attention(fused=True))
+
+    @property
+    def max_groups(self) -> int:
+        return 1 if self.fused else 4
 
 
 PLAN = Plan()
@@ -151,7 +160,7 @@ def forward_plan(kv_lens=None, device=None, flat=None):
         PLAN.parts = None
     else:
         PLAN.parts = [(rows if isinstance(rows, slice) else torch.as_tensor(rows, device=device), length)
-                      for rows, length in plan_parts(plan_groups(np.asarray(kv_lens)))]
+                      for rows, length in plan_parts(plan_groups(np.asarray(kv_lens), PLAN.max_groups))]
     try:
         yield
     finally:
@@ -162,7 +171,11 @@ def plain_attention(query, key, value, mask, scaling, softcap=None):
     """softmax(q k^T * scaling + mask) v for q [B, H, Q, D], k/v [B, Hkv, S, D], mask [B, 1, Q, S].
 
     Keys and values may be stored in a wider dtype than the queries (a float32 cache for a bfloat16
-    model): the product is then computed in the cache's dtype and returned in the query's."""
+    model): the product is then computed in the cache's dtype and returned in the query's. Under
+    PLAN.fused, SDPA's fused kernel computes the same (without softcap, for one dtype)."""
+    if PLAN.fused and softcap is None and key.dtype == query.dtype:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                              enable_gqa=query.shape[1] != key.shape[1])
     out_dtype = query.dtype
     if key.dtype != query.dtype:
         query = query.to(key.dtype)
@@ -277,15 +290,18 @@ def _configs(modules):
 
 
 @contextmanager
-def engine_attention(*modules):
-    """Use specbatch_attention in every model inside `modules` for the duration of the block."""
+def engine_attention(*modules, fused: bool = False):
+    """Use specbatch_attention in every model inside `modules` for the duration of the block; fused:
+    one group of rows and SDPA's kernels (fast.backend)."""
     register()
     configs = _configs(modules)
-    before = [c._attn_implementation for c in configs]
+    before = [c._attn_implementation for c in configs], PLAN.fused
     try:
         for c in configs:
             c._attn_implementation = NAME
+        PLAN.fused = fused
         yield
     finally:
-        for c, value in zip(configs, before):
+        for c, value in zip(configs, before[0]):
             c._attn_implementation = value
+        PLAN.fused = before[1]

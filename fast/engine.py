@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from ..invariants import (TraceWriter, check_kv, check_mask, check_positions, check_round_commit,
                           mask_strings, raise_if)
+from .backend import CHOICES, Backend
 from .cache import layout_index, rect_inputs
 from .models import ModelRunner
 from .proposals import DraftController, proposal_lengths
@@ -66,6 +67,7 @@ class Settings:
     floor: float | None = None  # ... and proposes the step it stops at if its confidence is >= floor (None: never)
     controller: DraftController | None = None  # the round's cap (None: k)
     flat_verify: bool = True  # ragged: verify each row's own proposals in one flat forward
+    backend: Backend = field(default_factory=lambda: CHOICES["cpu"])  # the device's speed choices (fast.backend)
 
     @property
     def proposal_floor(self) -> float:

@@ -8,6 +8,7 @@ import time
 import torch
 
 from .fast.attention import engine_attention
+from .fast.backend import for_device
 from .fast.kernels import compiled_blocks, prepacked_linears
 from .fast.proposals import DraftController
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
@@ -151,11 +152,13 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
         writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy,
                              eos_token_ids=eos_ids, max_new_tokens=max_new, num_requests=len(ids), window=window,
                              num_draft_tokens=k, draft_threshold=threshold, draft_floor=floor)
+    backend = for_device(device)
     settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
                         pad_id=int(pad_id), check=check_invariants, trace=writer,
                         chooser=make_chooser(temperature, top_k, top_p, seed, sampling, len(ids), device,
                                              request_ids),
-                        threshold=threshold, floor=floor, controller=DraftController(k, bool(adaptive)) if k else None)
+                        threshold=threshold, floor=floor, controller=DraftController(k, bool(adaptive)) if k else None,
+                        backend=backend)
     target_runner = ModelRunner(target)
     draft_runner = ModelRunner(draft) if draft is not None else None
     results: dict = {}
@@ -182,9 +185,9 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
            "dsd-like": broken.run_dsd_like,
            "exspec": functools.partial(exspec.run, pool_window=opts.pool_window, max_wait=opts.max_wait)}[strategy]
     try:
-        with torch.inference_mode(), engine_attention(target, draft), \
+        with torch.inference_mode(), engine_attention(target, draft, fused=not backend.grouped_attention), \
                 compiled_blocks(target, draft, enabled=opts.compile) as compiled, \
-                prepacked_linears(target, draft, enabled=opts.prepack, skip=compiled):
+                prepacked_linears(target, draft, enabled=opts.prepack and backend.prepack_linears, skip=compiled):
             run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
     finally:  # an error (or Ctrl-C) leaves no half-drawn bar in front of its message
         if bar is not None:

@@ -1,6 +1,9 @@
 """Shared test setup: the two profiles (tests/profiles.py), tiny model folders and a prompt file
 for the CLI tests.
 
+`pytest --device cuda` (or SPECBATCH_TEST_DEVICE=cuda): the engine's tests on that device (the
+modules of DEVICE_MODULES; the others test the CPU, files and the command line and are deselected).
+
 `pytest`: the default profile (Hypothesis "quick", the pairwise subset of every grid, no tests
 marked `full`). `pytest --full`: the full pre-merge profile (Hypothesis "full", every case, every
 test). HYPOTHESIS_PROFILE=thorough (or quick / full) picks the Hypothesis profile by itself.
@@ -11,6 +14,11 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+# the test modules that run on any device: equivalence, invariants, properties, sampling, drafts, conformance
+DEVICE_MODULES = {"test_fast_engine", "test_prefill_and_attention", "test_bfloat16", "test_sampling",
+                  "test_invariants", "test_proposals", "test_lookup_draft", "test_feature_draft", "test_conform",
+                  "test_backend"}
+
 for name, count in (("quick", 10), ("full", 60), ("thorough", 400)):
     settings.register_profile(name, max_examples=count, deadline=None,
                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -19,13 +27,30 @@ for name, count in (("quick", 10), ("full", 60), ("thorough", 400)):
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", help="specbatch: the full pre-merge profile (every case of "
                      "every grid, the tests marked full, Hypothesis's full example counts)")
+    parser.addoption("--device", default=os.environ.get("SPECBATCH_TEST_DEVICE") or "cpu",
+                     help="specbatch: the device the engine's tests run on: cpu (default; every test), cuda, "
+                     "cuda:1, ... (the modules of conftest.DEVICE_MODULES); default $SPECBATCH_TEST_DEVICE or cpu")
 
 
 def pytest_configure(config):
+    import torch
+    device = config.getoption("--device")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise pytest.UsageError(f"--device {device!r} is not a device torch knows (cpu, cuda, cuda:1, ...)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device}: CUDA is not available to this torch ({torch.__version__})")
+    os.environ["SPECBATCH_TEST_DEVICE"] = device  # read by hf_models.tiny
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("full" if config.getoption("--full") else "quick"))
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device") != "cpu":
+        off = [item for item in items if item.module.__name__.rpartition(".")[2] not in DEVICE_MODULES]
+        if off:
+            config.hook.pytest_deselected(items=off)
+            items[:] = [item for item in items if item not in off]
     if config.getoption("--full"):
         return
     kept = [item for item in items if item.get_closest_marker("full") is None]

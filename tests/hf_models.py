@@ -1,5 +1,8 @@
-"""Tiny random-initialised Hugging Face causal LMs of several architectures, and the oracle."""
+"""Tiny random-initialised Hugging Face causal LMs of several architectures, and the oracle.
+
+Models are made on the test device (`pytest --device`, or $SPECBATCH_TEST_DEVICE; default cpu)."""
 import functools
+import os
 
 import torch
 import transformers as tf
@@ -25,8 +28,18 @@ ARCHS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+def test_device() -> str:
+    """The device the tests run the engine on (tests/conftest.py sets it from --device)."""
+    return os.environ.get("SPECBATCH_TEST_DEVICE", "cpu")
+
+
 def tiny(arch="llama", layers=2, seed=0, dtype=torch.float64, **overrides):
+    """A tiny model of `arch` on the test device, the same object for the same arguments."""
+    return _tiny(arch, layers, seed, dtype, test_device(), **overrides)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny(arch, layers, seed, dtype, device, **overrides):
     config_cls, model_cls, kw = ARCHS[arch]
     layer_key = "n_layer" if arch == "gpt2" else "num_hidden_layers"
     overrides = {key: list(v) if isinstance(v, tuple) else v for key, v in overrides.items()}
@@ -35,7 +48,7 @@ def tiny(arch="llama", layers=2, seed=0, dtype=torch.float64, **overrides):
     if arch != "gpt2":
         kw.setdefault("max_position_embeddings", 512)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**kw)).to(dtype).eval()
+    model = model_cls(config_cls(**kw)).to(dtype).eval().to(device)  # initialised on the CPU: the same weights
     model.generation_config.eos_token_id = EOS
     model.generation_config.pad_token_id = EOS
     return model
@@ -43,7 +56,7 @@ def tiny(arch="llama", layers=2, seed=0, dtype=torch.float64, **overrides):
 
 def hf_greedy(model, prompt, max_new_tokens, eos_ids):
     """transformers' own greedy decoding at batch 1, no padding, cut after the first EOS."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
                              do_sample=False, eos_token_id=list(eos_ids) or None, pad_token_id=0)

@@ -50,9 +50,9 @@ def flat_queries(plan, rows: int) -> list:
 
 
 def storage_dtype(runner, settings: Settings):
-    """float32 K/V for a half-precision model on a CPU whose attention is ours (the small attention
-    products are several times faster in float32 there); otherwise the model's own dtype."""
-    half = settings.dtype in (torch.bfloat16, torch.float16) and settings.device.type == "cpu"
+    """float32 K/V for a half-precision model whose attention is ours where the backend widens it
+    (fast.backend.wide_half_kv: on a CPU); otherwise the model's own dtype."""
+    half = settings.dtype in (torch.bfloat16, torch.float16) and settings.backend.wide_half_kv
     return torch.float32 if half and uses_engine_attention(runner.model) else None
 
 

@@ -17,6 +17,7 @@ FEATURES = ["tests/test_feature_draft.py"]
 KERNELS = ["tests/test_kernels.py"]
 OPTIONS = ["tests/test_options.py"]
 HOSTILE = ["tests/test_hostile_files.py"]
+BACKEND = ["tests/test_backend.py"]
 
 MUTANTS = [
     # ---- masks
@@ -217,6 +218,12 @@ MUTANTS = [
     ("part-files-truncated", "files", "specbatch/cli.py",
      "writer = ResultWriter(parts[rank], order, {}, append=True)", "writer = ResultWriter(parts[rank], order, {})",
      HOSTILE + ["tests/test_distributed.py"]),
+    # ---- device choices (fast.backend) and the fused attention path
+    ("fused-attention-drops-the-mask", "device", "fast/attention.py",
+     "return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,",
+     "return F.scaled_dot_product_attention(query, key, value, attn_mask=None, scale=scaling,", BACKEND),
+    ("accelerators-get-the-cpu-choices", "device", "fast/backend.py",
+     'return CHOICES["cpu" if torch.device(device).type == "cpu" else "cuda"]', 'return CHOICES["cpu"]', BACKEND),
     ("parts-removed-before-the-merge", "files", "specbatch/cli.py",
      "            ResultWriter(args.out, order, done).finish()  # OUT holds every result before any part goes\n"
      "            for path in every_part:\n                os.remove(path)\n",
