@@ -15,9 +15,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 # the test modules that run on any device: equivalence, invariants, properties, sampling, drafts, conformance
-DEVICE_MODULES = {"test_fast_engine", "test_prefill_and_attention", "test_bfloat16", "test_sampling",
-                  "test_invariants", "test_proposals", "test_lookup_draft", "test_feature_draft", "test_conform",
-                  "test_backend"}
+DEVICE_MODULES = {"test_backend", "test_fast_engine", "test_bfloat16", "test_sampling", "test_invariants",
+                  "test_proposals", "test_conform"}
 
 for name, count in (("quick", 10), ("full", 60), ("thorough", 400)):
     settings.register_profile(name, max_examples=count, deadline=None,

@@ -40,7 +40,7 @@ def test_an_algorithmic_divergence_in_bfloat16_is_not_called_a_tie():
     reference = specbatch.generate(target, None, PROMPTS, max_new_tokens=8, batch_size=1, strategy="ragged")
     broken = [list(s) for s in reference.sequences]
     with torch.inference_mode():
-        logits = target(torch.tensor([PROMPTS[1] + broken[1][:3]])).logits[0, -1].float()
+        logits = target(torch.tensor([PROMPTS[1] + broken[1][:3]], device=target.device)).logits[0, -1].float()
     broken[1][3] = int(logits.argmin())  # the least likely token: a margin of many ulps
     reports = compare(target, PROMPTS, broken, reference.sequences)
     assert reports[1]["exact"] is False and reports[1]["index"] == 3 and reports[1]["kind"] == "error"
