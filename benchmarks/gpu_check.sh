@@ -17,9 +17,12 @@ while [ $# -gt 0 ]; do
         *) echo "gpu_check.sh: unknown argument $1 (--device DEVICE, --tiny)" >&2; exit 2 ;;
     esac
 done
-out="${OUT:-gpu_check_out}"
+out=$(realpath -m "${OUT:-gpu_check_out}")
 mkdir -p "$out"
-plugin=()  # specbatch's pytest plugin: registered by the install, named by hand with the links
+repo=$PWD
+run_in=$repo  # where pytest starts: with the links, a folder outside the checkout (whose specbatch/ alone is not
+              # the whole package)
+plugin=()     # specbatch's pytest plugin: registered by the install, named by hand with the links
 
 # specbatch from this checkout: installed if it can be (no index, no build isolation), else a folder of links
 # that lays the checkout out as the package (the design card's folders are specbatch's sub-packages)
@@ -27,23 +30,25 @@ if ! python3 -c "import specbatch.fast.backend" 2>/dev/null; then
     if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$out/install.log" 2>&1; then
         site=$(mktemp -d)
         mkdir "$site/specbatch"
-        ln -s "$PWD"/specbatch/* "$site/specbatch/"
-        for sub in fast reference invariants; do ln -s "$PWD/$sub" "$site/specbatch/$sub"; done
+        ln -s "$repo"/specbatch/* "$site/specbatch/"
+        for sub in fast reference invariants; do ln -s "$repo/$sub" "$site/specbatch/$sub"; done
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
         plugin=(-p specbatch.testing)
+        run_in=$site
     fi
 fi
 
 # the engine's tests on the device: the modules of tests/conftest.py's DEVICE_MODULES, default profile
 start=$(date +%s)
-python3 -m pytest -q -p no:cacheprovider "${plugin[@]}" --device "$device" -x \
-    tests/test_backend.py tests/test_fast_engine.py tests/test_bfloat16.py tests/test_sampling.py \
-    tests/test_invariants.py tests/test_proposals.py tests/test_conform.py >"$out/tests.log" 2>&1
+modules=()
+for name in backend fast_engine bfloat16 sampling invariants proposals conform; do modules+=("$repo/tests/test_$name.py"); done
+(cd "$run_in" && python3 -m pytest -q -p no:cacheprovider "${plugin[@]}" --rootdir "$repo" --device "$device" -x \
+    "${modules[@]}") >"$out/tests.log" 2>&1
 tests=$?
 echo "device tests: exit $tests in $(( $(date +%s) - start )) s ($out/tests.log)"
 tail -n 3 "$out/tests.log"
 
-python3 benchmarks/gpu_check.py --device "$device" "${tiny[@]}" --tests-log "$out/tests.log" \
+python3 "$repo/benchmarks/gpu_check.py" --device "$device" "${tiny[@]}" --tests-log "$out/tests.log" \
     --out "$out/gpu_check.json" | tee "$out/gpu_check.md"
 speed=${PIPESTATUS[0]}
 echo "total: $(( $(date +%s) - start )) s"
