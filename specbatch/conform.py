@@ -5,7 +5,7 @@ of batch speculative decoding (docs/guarantees.md, "Known failure classes"), wit
 and, at every answer position, the target's top logits (so the checker needs no model):
 
     manifest.json    model identity (config and weights hashes, dtype, vocabulary), the EOS ids,
-                     the pad id to use (equal to an EOS id), suggested batch sizes and orders
+                     the pad id to use (not an EOS id), suggested batch sizes and orders
     requests.jsonl   id, class, token_ids (and text with a tokenizer), max_new_tokens, eos_token_ids
     reference.jsonl  id, token_ids, stop_reason, top: per answer position [[token, logit], ...]
 
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 MIN_CONTEXT = 64  # the longest request of the fixed classes: a 39-token prompt + 16 new tokens, with room
-VECTORS_VERSION = 2  # 2: the manifest holds the SHA-256 of requests.jsonl and reference.jsonl
+VECTORS_VERSION = 3  # 2: SHA-256 of requests.jsonl and reference.jsonl; 3: a pad id distinct from EOS
 TOP = 8  # logits kept per answer position
-CLASSES = ("pad-in-prompt", "eos-offset", "budget-mid-round", "short-and-long", "duplicate", "churn",
+CLASSES = ("pad-in-prompt", "eos-in-prompt", "eos-offset", "budget-mid-round", "short-and-long", "duplicate", "churn",
            "wide-margin")
 
 
@@ -87,7 +87,9 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
     identity = model_identity(target)
     vocab = identity["vocab_size"]
     model_eos = list(eos_ids_of(target))
-    pad = model_eos[0] if model_eos else int(rng.integers(vocab))  # pad == EOS, as many engines set it
+    # the pad id the manifest asks engines to use: not an EOS id, so that "pad-in-prompt" (this id inside
+    # content) and "eos-in-prompt" (an EOS id inside content, as in engines that pad with EOS) test apart
+    pad = next(int(t) for t in rng.permutation(vocab) if int(t) not in model_eos)
     draw = lambda n: rng.integers(0, vocab, int(n)).tolist()  # noqa: E731
     requests: list[dict] = []
 
@@ -95,20 +97,26 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
         requests.append(dict(id=f"{cls}-{sum(r['class'] == cls for r in requests)}", **{"class": cls},
                              token_ids=[int(t) for t in ids], max_new_tokens=int(max_new)))
 
-    for n in (6, 11, 19):  # the pad id inside prompts, also as a run and at the ends
+    def planted(token, n):
+        """n random ids with `token` at three places, as a run where they meet, and at the end."""
         ids = draw(n)
         for at in rng.choice(n, size=3, replace=False):
-            ids[at] = pad
-        ids[-1] = pad
-        add("pad-in-prompt", ids, 12)
+            ids[at] = token
+        ids[-1] = token
+        return ids
+
+    for n in (6, 11, 19):
+        add("pad-in-prompt", planted(pad, n), 12)
     eos_candidates = [draw(rng.integers(4, 24)) for _ in range(8)]
     continuations = reference_outputs(target, eos_candidates, [12] * 8, [])
     eos = list(model_eos)
     for offset, (prompt, cont) in enumerate(zip(eos_candidates, continuations), 1):  # EOS at offsets 1..8
         token = cont[offset - 1] if offset <= len(cont) else None
-        if token is not None and token not in cont[:offset - 1] and token not in eos:
+        if token is not None and token not in cont[:offset - 1] and token not in eos and token != pad:
             eos.append(int(token))
         add("eos-offset", prompt, 12)
+    for n in (6, 11, 19):  # an EOS id inside content: what a mask from `token == pad` breaks when pad == EOS
+        add("eos-in-prompt", planted(eos[0] if eos else pad, n), 12)
     for budget in range(1, 10):  # budgets ending at every offset of a round
         add("budget-mid-round", draw(rng.integers(2, 30)), budget)
     if (context_limit(target) or MIN_CONTEXT) < MIN_CONTEXT:

@@ -79,6 +79,44 @@ def hf_assisted_engine(target, draft=None, prompt_lookup_num_tokens: int | None 
     return generate_fn
 
 
+def cut_at_stop(tokens, budget: int, eos_token_ids) -> list:
+    """`tokens` cut to `budget` and after the first EOS id (kept): one request's output from an
+    engine run with one budget and no EOS for the whole batch."""
+    tokens = list(tokens)[:budget]
+    stop = next((i for i, t in enumerate(tokens) if t in eos_token_ids), None)
+    return tokens[:stop + 1] if stop is not None else tokens
+
+
+def padded_batch_engine(target, pad_token_id: int, mask_from_pad: bool = False):
+    """transformers' batched greedy `generate` with left padding: requests in batches of
+    `batch_size`, each left-padded with `pad_token_id` to its longest prompt, run to its largest
+    budget with no EOS, each output cut to its own budget and first EOS (`cut_at_stop`: the recipe
+    for engines that take one budget and one EOS id per call).
+
+    The attention mask comes from the prompts' lengths; mask_from_pad=True derives it from
+    `token == pad_token_id` instead, the mistake of several published batch implementations (a pad
+    id inside a prompt is then hidden too), which the vectors' pad-in-prompt class (and eos-in-prompt,
+    where the pad id is an EOS id) must flag."""
+    import torch
+
+    def generate_fn(prompts, max_new_tokens, eos_token_ids, batch_size):
+        out, device = [], next(target.parameters()).device
+        for start in range(0, len(prompts), batch_size):
+            group, budgets = prompts[start:start + batch_size], max_new_tokens[start:start + batch_size]
+            width = max(map(len, group))
+            ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in group], device=device)
+            lengths = torch.tensor([len(p) for p in group], device=device)
+            mask = (ids != pad_token_id) if mask_from_pad else \
+                torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
+            with torch.no_grad():
+                gen = target.generate(ids, attention_mask=mask.long(), max_new_tokens=max(budgets),
+                                      min_new_tokens=max(budgets), do_sample=False, eos_token_id=None,
+                                      pad_token_id=pad_token_id)
+            out += [cut_at_stop(row[width:].tolist(), b, eos_token_ids) for row, b in zip(gen, budgets)]
+        return out
+    return generate_fn
+
+
 # ---------------------------------------------------------------- vectors through an engine
 
 def _is_token(value) -> bool:

@@ -13,8 +13,9 @@ from specbatch.cli import main
 from specbatch.conform import CLASSES, check_outputs, load_vectors, make_vectors
 from specbatch.fast.drafts import ScriptedDraft
 from specbatch.reference import deviate_hashed
-from specbatch.testing import (ConformanceError, broken_engine, check_engine, find_counterexample,
-                               hf_assisted_engine, reference_outputs, specbatch_engine)
+from specbatch.testing import (ConformanceError, broken_engine, check_engine, cut_at_stop, find_counterexample,
+                               hf_assisted_engine, padded_batch_engine, reference_outputs, run_vectors,
+                               specbatch_engine)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,11 @@ def reference_rows(vectors):
 def test_vectors_cover_every_class_and_hold_the_batch_1_answers(target, vectors):
     v = load_vectors(vectors)
     assert {r["class"] for r in v.requests} == set(CLASSES)
-    assert v.manifest["pad_token_id"] in v.manifest["eos_token_ids"]  # pad == EOS
-    assert any(v.manifest["pad_token_id"] in p for p in v.prompts)  # the pad id inside prompts
+    pad, eos = v.manifest["pad_token_id"], v.manifest["eos_token_ids"]
+    assert pad not in eos  # a pad id of its own: pad-in-prompt and eos-in-prompt test apart
+    for cls, planted in (("pad-in-prompt", pad), ("eos-in-prompt", eos[0])):
+        prompts = [r["token_ids"] for r in v.requests if r["class"] == cls]
+        assert len(prompts) == 3 and all(p.count(planted) >= 2 and p[-1] == planted for p in prompts)
     lengths = [len(p) for p in v.prompts]
     assert min(lengths) == 1 and max(lengths) >= 80
     assert len(v.requests) >= 40
@@ -134,6 +138,42 @@ def test_broken_variants_are_flagged_with_a_shrunk_counterexample(target, vector
         namespace["test_specbatch_counterexample"]()
     ours = specbatch_engine(target, draft, "ragged", draft_threshold=0.0, adaptive=False)
     assert ours(found.prompts, found.max_new_tokens, found.eos_token_ids, found.batch_size) == found.expected
+
+
+def failing_classes(vectors, engine) -> dict:
+    """class -> requests of that class with an algorithmic divergence, for the engine at batch 8."""
+    order = vectors.manifest["suggested"]["orders"]["shuffled"]
+    report = check_outputs(vectors, run_vectors(engine, vectors, 8, order))
+    out: dict = {}
+    for r in report.errors:
+        out[r["class"]] = out.get(r["class"], 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("pad", ["distinct", "eos"])
+def test_a_mask_from_the_pad_id_is_flagged_in_its_own_class(target, vectors, pad):
+    """The paper-style bug (attention mask from `token == pad_id`) in a batched transformers engine:
+    with the manifest's pad id it is flagged in pad-in-prompt, with pad == EOS in eos-in-prompt, and
+    not in the other of the two; the same engine with the mask from lengths conforms."""
+    v = load_vectors(vectors)
+    pad_id = v.manifest["pad_token_id"] if pad == "distinct" else v.manifest["eos_token_ids"][0]
+    planted = "pad-in-prompt" if pad == "distinct" else "eos-in-prompt"
+    assert failing_classes(v, padded_batch_engine(target, pad_id)) == {}
+    failing = failing_classes(v, padded_batch_engine(target, pad_id, mask_from_pad=True))
+    other = "eos-in-prompt" if pad == "distinct" else "pad-in-prompt"
+    assert failing.get(planted, 0) >= 2 and other not in failing, failing
+
+
+def test_cut_at_stop_keeps_the_first_eos_and_the_budget():
+    assert cut_at_stop([5, 7, 9, 7], 10, [7]) == [5, 7]
+    assert cut_at_stop([5, 6, 9, 7], 3, [7]) == [5, 6, 9]
+    assert cut_at_stop([5, 6], 4, []) == [5, 6]
+
+
+def test_a_counterexample_names_what_the_engine_returned():
+    from specbatch.testing import Counterexample
+    code = Counterexample([[3, 4]], [2], 1, [7], expected=[[11, 12]], got=[[11, 13]]).as_pytest("engine")
+    assert "expected = [[11, 12]]" in code and "the engine returned [[11, 13]]" in code
 
 
 @pytest.mark.full  # a pytest subprocess
