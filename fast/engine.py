@@ -93,15 +93,26 @@ class Stats:
     time_align: float = 0.0
     target_tokens_processed: int = 0
     draft_tokens_processed: int = 0
+    proposed_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [j]: rows proposing a (j+1)-th token
+    accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [j]: rows accepting it
     extra: dict = field(default_factory=dict)
 
     def add_round(self, proposed, accepted, n) -> None:
-        """Account one round: each row's proposed drafts, accepted drafts and committed tokens."""
+        """Account one round: each row's proposed drafts, accepted drafts (a prefix of its proposals)
+        and committed tokens."""
         self.rounds += 1
         self.row_rounds += len(n)
         self.drafted_tokens += int(np.sum(proposed))
         self.accepted_tokens += int(accepted.sum())
         self.generated_tokens += int(n.sum())
+        deepest = int(np.max(proposed, initial=0))
+        if deepest > len(self.proposed_at):
+            grow = deepest - len(self.proposed_at)
+            self.proposed_at = np.concatenate([self.proposed_at, np.zeros(grow, dtype=np.int64)])
+            self.accepted_at = np.concatenate([self.accepted_at, np.zeros(grow, dtype=np.int64)])
+        position = np.arange(1, len(self.proposed_at) + 1)[None, :]
+        self.proposed_at += (np.asarray(proposed)[:, None] >= position).sum(axis=0)
+        self.accepted_at += (np.asarray(accepted)[:, None] >= position).sum(axis=0)
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in (
@@ -112,6 +123,9 @@ class Stats:
         out["acceptance_rate"] = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
         out["tokens_per_second"] = self.generated_tokens / self.time_total if self.time_total else 0.0
         out["align_share"] = self.time_align / self.time_total if self.time_total else 0.0
+        out["proposed_by_position"] = self.proposed_at.tolist()  # [j]: (j+1)-th proposals made
+        out["accepted_by_position"] = self.accepted_at.tolist()  # [j]: ... and accepted
+        out["acceptance_rate_by_position"] = [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
         out.update(self.extra)
         return out
 

@@ -249,3 +249,25 @@ def test_requests_arriving_over_time_are_served_after_they_arrive(strategy):
                                 check_invariants=True)
     assert result.sequences == oracle(target, PROMPTS, 6, [EOS])
     assert all(r["latency"] > 0 for r in result.request_stats)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_acceptance_by_draft_position_matches_the_trace(strategy, tmp_path):
+    """stats' proposed/accepted_by_position count, at each draft position j, the rows that proposed
+    (and accepted) a j-th token, as the trace's draft_limit and accepted say; mean_accepted_length
+    counts the bonus token."""
+    target = tiny("llama")
+    trace = tmp_path / "t.jsonl"
+    result = specbatch.generate(target, ScriptedDraft(target, deviate_hashed(3, 0.3)), PROMPTS, max_new_tokens=10,
+                                num_draft_tokens=4, batch_size=3, strategy=strategy, trace=str(trace), **FIXED_K)
+    proposed, accepted, rows = np.zeros(4, dtype=int), np.zeros(4, dtype=int), 0
+    for line in trace.read_text().splitlines()[1:]:
+        for row in json.loads(line).get("rows", []):
+            proposed[:row["draft_limit"]] += 1
+            accepted[:row["accepted"]] += 1
+            rows += 1
+    s = result.stats
+    assert s["proposed_by_position"] == proposed.tolist() and s["accepted_by_position"] == accepted.tolist()
+    assert sum(s["accepted_by_position"]) == s["accepted_tokens"] and 0 < s["accepted_tokens"] < s["drafted_tokens"]
+    assert s["acceptance_rate_by_position"] == pytest.approx((accepted / proposed).tolist())
+    assert s["mean_accepted_length"] == pytest.approx(s["generated_tokens"] / rows)

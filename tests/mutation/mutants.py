@@ -218,6 +218,9 @@ MUTANTS = [
     ("part-files-truncated", "files", "specbatch/cli.py",
      "writer = ResultWriter(parts[rank], order, {}, append=True)", "writer = ResultWriter(parts[rank], order, {})",
      HOSTILE + ["tests/test_distributed.py"]),
+    ("acceptance-by-position-off-by-one", "stats", "fast/engine.py",
+     "self.accepted_at += (np.asarray(accepted)[:, None] >= position).sum(axis=0)",
+     "self.accepted_at += (np.asarray(accepted)[:, None] > position).sum(axis=0)", ["tests/test_fast_engine.py"]),
     # ---- device choices (fast.backend) and the fused attention path
     ("fused-attention-drops-the-mask", "device", "fast/attention.py",
      "return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,",
