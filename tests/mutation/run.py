@@ -4,6 +4,7 @@ tests under the full profile (pytest --full), restore the file, and report which
     python tests/mutation/run.py --out docs/results/mutation     # all mutants; writes mutation.json and mutation.md
     python tests/mutation/run.py top-k-one-too-few lookup-across-padding
     python tests/mutation/run.py --table docs/results/mutation    # mutation.md again from mutation.json
+    python tests/mutation/run.py --out docs/results/mutation --merge new-mutant   # run some, keep the other rows
 
 A mutant is killed when its tests fail (pytest exit code 1). Files are restored after every mutant,
 also on Ctrl-C or SIGTERM; the script refuses to start on uncommitted changes to the files it mutates.
@@ -79,6 +80,8 @@ def main() -> int:
     ap.add_argument("ids", nargs="*", help="mutant ids (default: all)")
     ap.add_argument("--out", help="folder for mutation.json and mutation.md (the table of docs/testing.md)")
     ap.add_argument("--table", metavar="FOLDER", help="only write FOLDER/mutation.md from FOLDER/mutation.json")
+    ap.add_argument("--merge", action="store_true", help="with --out and ids: replace those mutants' rows in the "
+                    "existing mutation.json and keep the others (the commands of both runs are recorded)")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args()
     if args.table:
@@ -113,8 +116,16 @@ def main() -> int:
     if args.out:
         folder = Path(args.out)
         folder.mkdir(parents=True, exist_ok=True)
-        report = dict(command="python tests/mutation/run.py " + " ".join(sys.argv[1:]), machine=machine(),
-                      mutants=len(rows), killed=killed, test_seconds=sum(r.get("seconds", 0) for r in rows), rows=rows)
+        command = "python tests/mutation/run.py " + " ".join(sys.argv[1:])
+        if args.merge and (folder / "mutation.json").is_file():
+            old = json.loads((folder / "mutation.json").read_text())
+            ran = {r["id"]: r for r in rows}
+            kept = {r["id"]: r for r in old["rows"]}
+            rows = [ran.get(m[0]) or kept[m[0]] for m in MUTANTS if m[0] in ran or m[0] in kept]
+            command = f"{old['command']}; then {command}"
+        killed = sum(r["verdict"] == "killed" for r in rows)
+        report = dict(command=command, machine=machine(), mutants=len(rows), killed=killed,
+                      test_seconds=sum(r.get("seconds", 0) for r in rows), rows=rows)
         (folder / "mutation.json").write_text(json.dumps(report, indent=1) + "\n")
         (folder / "mutation.md").write_text(markdown(report))
     return 0 if killed == len(rows) else 1
