@@ -1,7 +1,7 @@
 """fast.backend: the speed choices by device, and the engine under an accelerator's choices (one
 fused SDPA call over every row of the ragged layout, no prepacked linears, K/V in the model's
 dtype), run on the test device: exact against transformers' greedy decoding, every strategy and
-draft kind, and equal to target-only decoding in bfloat16 up to ties."""
+draft kind, and equal to target-only decoding in bfloat16 and float16 up to ties."""
 import numpy as np
 import pytest
 import torch
@@ -88,10 +88,10 @@ def test_prepacked_linears_and_wide_kv_only_where_the_backend_wants_them(monkeyp
     assert wide == (torch.float32 if backend == "cpu" else None)
 
 
-@pytest.mark.parametrize("strategy", ["ragged", "eqspec"])
-def test_fused_attention_in_bfloat16_equals_target_only_up_to_ties(monkeypatch, strategy):
+@pytest.mark.parametrize("strategy,dtype", grid(strategy=["ragged", "eqspec"], dtype=["bfloat16", "float16"]))
+def test_fused_attention_in_half_precision_equals_target_only_up_to_ties(monkeypatch, strategy, dtype):
     monkeypatch.setenv("SPECBATCH_BACKEND", "cuda")
-    target = tiny("llama", dtype=torch.bfloat16)
+    target = tiny("llama", dtype=getattr(torch, dtype))
     reference = specbatch.generate(target, None, PROMPTS, max_new_tokens=10, batch_size=1, strategy="ragged")
     result = specbatch.generate(target, ScriptedDraft(target, deviate_hashed(4, 0.3)), PROMPTS, max_new_tokens=10,
                                 num_draft_tokens=3, batch_size=4, strategy=strategy, eos_token_id=[EOS], **FIXED_K)
