@@ -7,11 +7,10 @@ import pytest
 import torch
 
 import specbatch
-from hf_models import EOS, FIXED_K, VOCAB, oracle, tiny
+from hf_models import EOS, FIXED_K, VOCAB, assert_ties_only, oracle, tiny
 from specbatch.fast import attention, kernels
 from specbatch.fast.backend import CHOICES, for_device
 from specbatch.fast.drafts import ScriptedDraft
-from specbatch.fast.equivalence import compare
 from specbatch.fast.lookup_draft import LookupFirstDraft
 from specbatch.reference import deviate_hashed
 from profiles import grid
@@ -92,9 +91,4 @@ def test_prepacked_linears_and_wide_kv_only_where_the_backend_wants_them(monkeyp
 def test_fused_attention_in_half_precision_equals_target_only_up_to_ties(monkeypatch, strategy, dtype):
     monkeypatch.setenv("SPECBATCH_BACKEND", "cuda")
     target = tiny("llama", dtype=getattr(torch, dtype))
-    reference = specbatch.generate(target, None, PROMPTS, max_new_tokens=10, batch_size=1, strategy="ragged")
-    result = specbatch.generate(target, ScriptedDraft(target, deviate_hashed(4, 0.3)), PROMPTS, max_new_tokens=10,
-                                num_draft_tokens=3, batch_size=4, strategy=strategy, eos_token_id=[EOS], **FIXED_K)
-    reports = compare(target, PROMPTS, result.sequences, reference.sequences)
-    assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
-    assert sum(r["exact"] for r in reports) >= len(PROMPTS) - 2
+    assert_ties_only(target, PROMPTS, strategy)
