@@ -295,13 +295,13 @@ def engine_attention(*modules, fused: bool = False):
     one group of rows and SDPA's kernels (fast.backend)."""
     register()
     configs = _configs(modules)
-    before = [c._attn_implementation for c in configs], PLAN.fused
+    before, fused_before = [c._attn_implementation for c in configs], PLAN.fused
     try:
         for c in configs:
             c._attn_implementation = NAME
         PLAN.fused = fused
         yield
     finally:
-        for c, value in zip(configs, before[0]):
+        for c, value in zip(configs, before):
             c._attn_implementation = value
-        PLAN.fused = before[1]
+        PLAN.fused = fused_before

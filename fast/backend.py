@@ -20,9 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-NAMES = ("cpu", "cuda")
-
-
 @dataclass(frozen=True)
 class Backend:
     name: str  # whose choices these are: "cpu" or "cuda"
@@ -42,6 +39,6 @@ def for_device(device) -> Backend:
     forced = os.environ.get("SPECBATCH_BACKEND", "").strip().lower()
     if forced:
         if forced not in CHOICES:
-            raise ValueError(f"SPECBATCH_BACKEND={forced!r} is not one of {', '.join(NAMES)}")
+            raise ValueError(f"SPECBATCH_BACKEND={forced!r} is not one of {', '.join(CHOICES)}")
         return CHOICES[forced]
     return CHOICES["cpu" if torch.device(device).type == "cpu" else "cuda"]

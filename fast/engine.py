@@ -105,11 +105,8 @@ class Stats:
         self.drafted_tokens += int(np.sum(proposed))
         self.accepted_tokens += int(accepted.sum())
         self.generated_tokens += int(n.sum())
-        deepest = int(np.max(proposed, initial=0))
-        if deepest > len(self.proposed_at):
-            grow = deepest - len(self.proposed_at)
-            self.proposed_at = np.concatenate([self.proposed_at, np.zeros(grow, dtype=np.int64)])
-            self.accepted_at = np.concatenate([self.accepted_at, np.zeros(grow, dtype=np.int64)])
+        grow = max(int(np.max(proposed, initial=0)) - len(self.proposed_at), 0)
+        self.proposed_at, self.accepted_at = np.pad(self.proposed_at, (0, grow)), np.pad(self.accepted_at, (0, grow))
         position = np.arange(1, len(self.proposed_at) + 1)[None, :]
         self.proposed_at += (np.asarray(proposed)[:, None] >= position).sum(axis=0)
         self.accepted_at += (np.asarray(accepted)[:, None] >= position).sum(axis=0)

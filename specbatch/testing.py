@@ -72,9 +72,7 @@ def hf_assisted_engine(target, draft=None, prompt_lookup_num_tokens: int | None 
                 gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
                                       do_sample=False, eos_token_id=list(eos_token_ids) or None,
                                       pad_token_id=(list(eos_token_ids) or [0])[0], **kw)
-            new = gen[0, len(prompt):].tolist()
-            stop = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
-            out.append(new[:stop + 1] if stop is not None else new)
+            out.append(cut_at_stop(gen[0, len(prompt):].tolist(), budget, eos_token_ids))
         return out
     return generate_fn
 

@@ -28,14 +28,14 @@ ARCHS = {
 }
 
 
-def test_device() -> str:
+def device_under_test() -> str:
     """The device the tests run the engine on (tests/conftest.py sets it from --device)."""
     return os.environ.get("SPECBATCH_TEST_DEVICE", "cpu")
 
 
 def tiny(arch="llama", layers=2, seed=0, dtype=torch.float64, **overrides):
     """A tiny model of `arch` on the test device, the same object for the same arguments."""
-    return _tiny(arch, layers, seed, dtype, test_device(), **overrides)
+    return _tiny(arch, layers, seed, dtype, device_under_test(), **overrides)
 
 
 @functools.lru_cache(maxsize=None)
