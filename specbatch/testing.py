@@ -271,30 +271,173 @@ def find_counterexample(generate_fn, target, *, max_requests: int = 6, max_promp
                           generate_fn(prompts, budgets, eos, batch))
 
 
-# ---------------------------------------------------------------- pytest plugin
+# ---------------------------------------------------------------- sampled engines
 
-def _plugin():
-    import pytest
-
-    @pytest.fixture(scope="session")
-    def specbatch_vectors(tmp_path_factory):
-        """factory(model, tokenizer=None, **make_options) -> Vectors, made once per model per session."""
-        made: dict = {}
-
-        def factory(model, tokenizer=None, **options):
-            if id(model) not in made:
-                folder = tmp_path_factory.mktemp("specbatch-vectors")
-                make_vectors(model, folder, tokenizer=tokenizer, **options)
-                made[id(model)] = load_vectors(folder)
-            return made[id(model)]
-        return factory
-
-    @pytest.fixture()
-    def specbatch_check_engine():
-        """check_engine(generate_fn, vectors, ...) (specbatch.testing.check_engine)."""
-        return check_engine
-
-    return specbatch_vectors, specbatch_check_engine
+SAMPLED_PROTOCOL = """sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k, top_p,
+          seeds) -> list[list[int]]   # one continuation per prompt, input order, the first EOS kept"""
 
 
-specbatch_vectors, specbatch_check_engine = _plugin() if __import__("importlib").util.find_spec("pytest") else (None, None)
+def specbatch_sampling_engine(target, draft, sampling: str = "rejection", strategy: str = "ragged", **options):
+    """specbatch.generate in one sampling mode ("rejection" or "coupled"), one seed per row."""
+    import specbatch
+
+    def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
+                  seeds=None):
+        return specbatch.generate(target, draft, prompts, max_new_tokens=list(max_new_tokens), batch_size=batch_size,
+                                  strategy=strategy, eos_token_id=list(eos_token_ids), temperature=temperature,
+                                  top_k=top_k, top_p=top_p, sampling=sampling, seed=list(seeds), **options).sequences
+    return sample_fn
+
+
+def hf_sampling_engine(target, draft=None, num_assistant_tokens: int = 4):
+    """transformers' `generate(do_sample=True)`: batched with left padding without a draft (the
+    call's first seed seeds torch), or assisted sampling with `draft`, one row at a time (transformers
+    assists at batch 1 only), each row seeded with its own seed."""
+    import torch
+
+    def run(ids, mask, budget, eos, kw):
+        with torch.no_grad():
+            return target.generate(ids, attention_mask=mask, max_new_tokens=budget, do_sample=True,
+                                   eos_token_id=list(eos) or None, pad_token_id=(list(eos) or [0])[0], **kw)
+
+    def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
+                  seeds=None):
+        seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
+        device = next(target.parameters()).device
+        kw = dict(temperature=temperature, top_k=top_k or 0, top_p=top_p if top_p is not None else 1.0)
+        out = []
+        if draft is not None:
+            draft.generation_config.num_assistant_tokens = num_assistant_tokens
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            draft.generation_config.assistant_confidence_threshold = 0.0
+            for prompt, budget, seed in zip(prompts, max_new_tokens, seeds):
+                torch.manual_seed(seed)
+                ids = torch.tensor([prompt], device=device)
+                gen = run(ids, torch.ones_like(ids), budget, eos_token_ids, dict(kw, assistant_model=draft))
+                out.append(cut_at_stop(gen[0, len(prompt):].tolist(), budget, eos_token_ids))
+            return out
+        for start in range(0, len(prompts), batch_size):
+            group, budgets = prompts[start:start + batch_size], max_new_tokens[start:start + batch_size]
+            width = max(map(len, group))
+            ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in group], device=device)
+            lengths = torch.tensor([len(p) for p in group], device=device)
+            mask = torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
+            torch.manual_seed(seeds[start])
+            gen = run(ids, mask.long(), max(budgets), eos_token_ids, kw)
+            out += [cut_at_stop(row[width:].tolist(), b, eos_token_ids) for row, b in zip(gen, budgets)]
+        return out
+    return sample_fn
+
+
+def broken_sampling_engine(target, draft, bug: str, num_draft_tokens: int = 4):
+    """specbatch.sampling_engines' textbook sampler with one of its BUGS (they must be flagged)."""
+    from .sampling_engines import sampling_engine
+    return sampling_engine(target, draft, bug=bug, num_draft_tokens=num_draft_tokens)
+
+
+def run_sampled(sample_fn, vectors, batch_size: int | None = None, timeout: float | None = None) -> list[dict]:
+    """The engine's continuation of every row of sampled vectors (a folder or SampledVectors): one
+    call per setting, its rows in file order, each row's seed passed; rows as dicts (id, token_ids)."""
+    import functools
+
+    from .sampled import load_sampled_vectors
+    if isinstance(vectors, (str, Path)):
+        vectors = load_sampled_vectors(vectors)
+    batch_size = batch_size or vectors.manifest["batch_size"]
+    outputs = []
+    for s in vectors.settings():
+        rows = vectors.rows_of(s["name"])
+        call = functools.partial(sample_fn, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+                                 seeds=[r["seed"] for r in rows])
+        got = call_engine(call, [r["token_ids"] for r in rows], [r["max_new_tokens"] for r in rows],
+                          vectors.manifest["eos_token_ids"], batch_size, timeout)
+        for r, tokens in zip(rows, got):
+            if not isinstance(tokens, (list, tuple)) or not all(_is_token(t) for t in tokens):
+                raise ConformanceError(f"row {r['id']!r}: the engine did not return a list of integer token ids")
+            outputs.append(dict(id=r["id"], token_ids=[int(t) for t in tokens]))
+    return outputs
+
+
+def check_sampling(sample_fn, vectors, target, batch_size: int | None = None, alpha: float | None = None,
+                   timeout: float | None = None):
+    """Run sampled vectors through the engine and judge its outputs against `target`
+    (specbatch.sampled.check_samples); raise ConformanceError with the report's table and lines
+    when it is not conformant. Returns the SampledReport."""
+    from .sampled import ALPHA, check_samples, load_sampled_vectors
+    if isinstance(vectors, (str, Path)):
+        vectors = load_sampled_vectors(vectors)
+    outputs = run_sampled(sample_fn, vectors, batch_size, timeout)
+    report = check_samples(vectors, outputs, target, batch_size=batch_size, alpha=alpha or ALPHA)
+    if not report.conformant:
+        raise ConformanceError("sampled outputs differ from the target's distribution:\n" + report.table() + "\n"
+                               + "\n".join(report.lines()[:20]))
+    return report
+
+
+def sampled_power(sample_fn, target, runs: int = 100, seed: int = 0, group: int = 10, **vector_options) -> list:
+    """The sampled checker's reports on `runs` independent runs of an engine: run j draws its
+    prompts and row seeds from seed + j (specbatch.sampled.sampled_vectors, vector_options as
+    there); the rows of `group` runs for one setting go to the engine in one call (each run's rows
+    fill whole batches, so slots and batches are as in a run of its own)."""
+    import functools
+
+    from .sampled import check_samples, sampled_vectors
+    reports = []
+    for first in range(0, runs, group):
+        sets = [sampled_vectors(target, seed=seed + first + j, **vector_options)
+                for j in range(min(group, runs - first))]
+        outputs: list = [[] for _ in sets]
+        for s in sets[0].settings():
+            rows = [v.rows_of(s["name"]) for v in sets]
+            flat = [r for part in rows for r in part]
+            call = functools.partial(sample_fn, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+                                     seeds=[r["seed"] for r in flat])
+            got = iter(call_engine(call, [r["token_ids"] for r in flat], [r["max_new_tokens"] for r in flat],
+                                   sets[0].manifest["eos_token_ids"], sets[0].manifest["batch_size"], None))
+            for j, part in enumerate(rows):
+                outputs[j] += [dict(id=r["id"], token_ids=[int(t) for t in next(got)]) for r in part]
+        reports += [check_samples(v, out, target) for v, out in zip(sets, outputs)]
+    return reports
+
+
+def toy_sampling_pair(vocab: int = 64, width: int = 16, seed: int = 0, draft_noise: float = 0.6, scale: float = 3.0,
+                      logit_offset: float = 24.0):
+    """(target, draft): tiny neural LMs whose next token depends on the last two tokens, with peaked
+    distributions and logits offset into the range of real models' (where bfloat16 rounds by
+    1/16 to 1/8); the draft's context embeddings are the target's plus noise. Cheap enough to draw
+    thousands of samples per second: the models of the sampled checker's power simulations."""
+    import torch
+    import transformers
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.randn(vocab * vocab, width, generator=gen, dtype=torch.float64)
+    head = torch.randn(vocab, width, generator=gen, dtype=torch.float64) * (scale / width ** 0.5)
+    noise = torch.randn(vocab * vocab, width, generator=gen, dtype=torch.float64) * draft_noise
+    config = transformers.PretrainedConfig(vocab_size=vocab, eos_token_id=vocab - 1, max_position_embeddings=4096)
+    return (_ContextLM(config, embed, head, logit_offset), _ContextLM(config, embed + noise, head, logit_offset))
+
+
+class _ContextLM(__import__("torch").nn.Module):
+    def __init__(self, config, embed, head, offset):
+        import torch
+        super().__init__()
+        self.config, self.offset = config, offset
+        self.embed = torch.nn.Embedding.from_pretrained(embed)
+        self.lm_head = torch.nn.Linear(embed.shape[1], head.shape[0], bias=False, dtype=embed.dtype)
+        self.lm_head.weight.data.copy_(head)
+        self.generation_config = __import__("transformers").GenerationConfig(eos_token_id=config.eos_token_id)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, **kwargs):
+        """Logits [B, T, V] from (token two back, last token); a masked position reads as token 0.
+        logits_to_keep: as in transformers (an int keeps the last positions; a 1-D tensor, those)."""
+        import torch
+        from types import SimpleNamespace
+        ids = input_ids if attention_mask is None else input_ids * attention_mask
+        context = torch.nn.functional.pad(ids, (1, 0))[:, :-1] * self.config.vocab_size + ids
+        if isinstance(logits_to_keep, torch.Tensor):
+            context = context[:, logits_to_keep]
+        elif logits_to_keep:
+            context = context[:, -logits_to_keep:]
+        return SimpleNamespace(logits=self.lm_head(self.embed(context)) + self.offset)

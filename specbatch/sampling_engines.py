@@ -1,0 +1,146 @@
+"""A textbook batch speculative sampler, correct or with one named bug: engines for the sampled checker.
+
+`sampling_engine(target, draft=None, bug=None)` returns an engine of the sampled protocol
+
+    sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k, top_p, seeds)
+        -> list[list[int]]      # one continuation per prompt, input order, the first EOS kept
+
+Rows run together without a KV cache (each forward recomputes every row's sequence, right-padded),
+so it suits tiny models. A round drafts `num_draft_tokens` tokens per row, verifies them in one
+target forward (accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); after the first reject
+sample from norm(max(0, p - q)); when every draft is accepted, the extra token comes from p_k),
+and commits them up to the row's budget and first EOS. Without a draft it is target-only sampling.
+Each row's randomness is keyed by its stream (fast.rng: stream, position, purpose); correct rows
+use their own seed. `BUGS` names the mistakes it can make instead, each one line of change.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fast import rng
+from .fast.sampling import processed_log_probs, residual_distribution, sample_from
+
+BUGS = {
+    "draft-without-temperature": "the draft samples at temperature 1 while acceptance uses its tempered q "
+                                 "(z-lab/dflash issue 74)",
+    "draft-bf16-logits": "the draft samples after temperature and softmax in bfloat16 while acceptance uses "
+                         "the float32 q (deepseek-ai/DeepSpec issue 31)",
+    "draft-argmax": "the draft proposes its argmax while acceptance assumes it sampled "
+                    "(jaymody/speculative-sampling issue 3)",
+    "residual-unnormalised": "after a reject, inverse-CDF sampling from max(0, p - q) without dividing by its mass",
+    "bonus-from-draft": "when every draft is accepted, the extra token comes from the draft's next distribution",
+    "truncation-target-only": "top-k and top-p applied to the target only: acceptance uses the draft's "
+                              "untruncated q while the draft sampled from its truncated one",
+    "temperature-after-truncation": "top-k and top-p applied to the raw logits, the temperature after",
+    "shared-stream": "one random stream for every row of a batch",
+    "slot-keyed": "randomness keyed by batch slot, so that every batch repeats the same streams",
+}
+
+
+def _last_logits(model, tokens, lengths, last: int) -> torch.Tensor:
+    """The logits at each row's last `last` tokens, lengths - last .. lengths - 1 (right-padded
+    tokens [R, W] with lengths [R]; a row attends only to its own earlier tokens): [R, last, V], float64."""
+    width = int(lengths.max())
+    mask = torch.arange(width, device=tokens.device)[None, :] < lengths[:, None]
+    low = max(int(lengths.min()) - last, 0)  # logits only from the first position any row needs
+    keep = torch.arange(low, width, device=tokens.device)
+    with torch.inference_mode():
+        logits = model(input_ids=tokens[:, :width], attention_mask=mask.long(), logits_to_keep=keep).logits
+    at = (lengths[:, None] - last - low + torch.arange(last, device=tokens.device)[None, :]).clamp(min=0)
+    return logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])).double()
+
+
+def _probs(logits, temperature, top_k, top_p, bug):
+    """The processed distribution [.., V]; with temperature-after-truncation, in the wrong order."""
+    if bug == "temperature-after-truncation":
+        kept = processed_log_probs(logits, 1.0, top_k, top_p) > float("-inf")
+        return (logits / temperature).masked_fill(~kept, float("-inf")).softmax(-1)
+    return processed_log_probs(logits, temperature, top_k, top_p).exp()
+
+
+def _draft_step(logits, temperature, top_k, top_p, bug, u):
+    """One draft step: (proposal [R], the q that acceptance uses [R, V])."""
+    q = _probs(logits, temperature, top_k, top_p, bug)
+    if bug == "draft-argmax":
+        return q.argmax(-1), q
+    source = q
+    if bug == "draft-without-temperature":
+        source = _probs(logits, 1.0, top_k, top_p, None)
+    elif bug == "draft-bf16-logits":  # temperature and softmax in the logits' bfloat16
+        scaled = (logits.to(torch.bfloat16) / temperature).double()
+        source = _probs(scaled, 1.0, top_k, top_p, None).to(torch.bfloat16).double()
+        source = source / source.sum(-1, keepdim=True)
+    elif bug == "truncation-target-only":
+        q = _probs(logits, temperature, None, None, None)
+    return sample_from(source, u), q
+
+
+def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens: int = 4):
+    """The textbook sampler on (target, draft) as an engine; bug: None or a key of BUGS."""
+    if bug is not None and bug not in BUGS:
+        raise ValueError(f"unknown bug {bug!r}; known: {', '.join(BUGS)}")
+    k = num_draft_tokens if draft is not None else 0
+
+    def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
+                  seeds=None):
+        count = len(prompts)
+        seeds = list(seeds) if seeds is not None else list(range(count))
+        if bug == "shared-stream":  # every row of a batch reads its first row's stream
+            seeds = [seeds[i - i % batch_size] for i in range(count)]
+        elif bug == "slot-keyed":
+            seeds = [i % batch_size for i in range(count)]
+        device = next(target.parameters()).device
+        budget = torch.tensor(list(max_new_tokens), device=device)
+        prompt_len = torch.tensor([len(p) for p in prompts], device=device)
+        tokens = torch.zeros(count, int((prompt_len + budget).max()) + k + 1, dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = torch.tensor(p)
+        made = torch.zeros(count, dtype=torch.long, device=device)  # tokens committed per row
+        done = budget <= 0
+        eos = torch.tensor(list(eos_token_ids) or [-1], device=device)
+        stream_of = torch.tensor(seeds, device=device)
+        while not done.all():
+            rows = (~done).nonzero()[:, 0]
+            stream, zero = stream_of[rows], torch.zeros_like(rows)
+            length = prompt_len[rows] + made[rows]
+            work = tokens[rows].clone()
+            q = []
+            for j in range(k):
+                logits = _last_logits(draft, work, length + j, 1)[:, 0]
+                u = rng.uniform(stream, zero, made[rows] + j, "draft")
+                proposal, q_j = _draft_step(logits, temperature, top_k, top_p, bug, u)
+                work[torch.arange(len(rows)), length + j] = proposal
+                q.append(q_j)
+            drafted = work.gather(1, length[:, None] + torch.arange(k, device=device)[None, :])  # [R, k]
+            p = _probs(_last_logits(target, work, length + k, k + 1), temperature, top_k, top_p, bug)
+            accepted = torch.zeros(len(rows), dtype=torch.long, device=device)
+            if k:
+                q = torch.stack(q, dim=1)  # [R, k, V]
+                p_d = p[:, :k].gather(-1, drafted[..., None])[..., 0]
+                q_d = q.gather(-1, drafted[..., None])[..., 0]
+                steps = made[rows][:, None] + torch.arange(k, device=device)[None, :]
+                u = rng.uniform(stream[:, None], zero[:, None], steps, "accept")
+                accepted = (u * q_d < p_d).long().cumprod(dim=1).sum(dim=1)
+            index = torch.arange(len(rows), device=device)
+            p_at = p[index, accepted]
+            dist = p_at
+            if k:
+                q_at = q[index, accepted.clamp(max=k - 1)]
+                residual = (p_at - q_at).clamp(min=0) if bug == "residual-unnormalised" else \
+                    residual_distribution(p_at, q_at)
+                bonus = p_at
+                if bug == "bonus-from-draft":
+                    bonus = _probs(_last_logits(draft, work, length + k, 1)[:, 0], temperature, top_k, top_p, None)
+                dist = torch.where((accepted < k)[:, None], residual, bonus)
+            token = sample_from(dist, rng.uniform(stream, zero, made[rows] + accepted, "sample"))
+            work[index, length + accepted] = token
+            # commit accepted + 1 tokens, up to the budget and the first EOS
+            new = work.gather(1, length[:, None] + torch.arange(k + 1, device=device)[None, :])  # [R, k+1]
+            offered = torch.minimum(accepted + 1, budget[rows] - made[rows])
+            is_eos = (new[..., None] == eos).any(-1) & (torch.arange(k + 1, device=device)[None, :] < offered[:, None])
+            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, offered)
+            tokens[rows] = work
+            made[rows] += first_eos
+            done[rows] = is_eos.any(1) | (made[rows] >= budget[rows])
+        return [tokens[i, len(p):len(p) + int(made[i])].tolist() for i, p in enumerate(prompts)]
+    return sample_fn

@@ -1,0 +1,226 @@
+"""The sampled conformance checker: its statistics, its null distribution (p-values uniform over
+simulated runs), its power against the broken sampling engines, and real engines passing it."""
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hf_models import tiny
+from specbatch.fast.sampling import processed_log_probs
+from specbatch.sampled import (ALPHA, SETTINGS, _node_ids, check_samples, chi2_sf, load_sampled_vectors,
+                               make_sampled_vectors, poisson_binomial_sf, reference_probs, sampled_vectors)
+from specbatch.sampling_engines import BUGS, sampling_engine
+from specbatch.testing import (ConformanceError, check_sampling, hf_sampling_engine, run_sampled, sampled_power,
+                               specbatch_sampling_engine, toy_sampling_pair)
+
+TOY = toy_sampling_pair()
+
+
+def kolmogorov_p(values) -> float:
+    """P-value of the one-sample KS test of `values` against Uniform(0, 1) (Kolmogorov's limit with
+    Stephens' small-sample correction)."""
+    u = np.sort(np.asarray(values))
+    n = len(u)
+    d = max((np.arange(1, n + 1) / n - u).max(), (u - np.arange(n) / n).max())
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    return float(min(1.0, max(0.0, 2 * sum((-1) ** (j - 1) * math.exp(-2 * j * j * lam * lam) for j in range(1, 101)))))
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_reference_semantics_are_the_engine_processors():
+    logits = torch.randn(40, 30, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    for s in SETTINGS:
+        got = reference_probs(logits, s["temperature"], s["top_k"], s["top_p"])
+        want = processed_log_probs(logits, s["temperature"], s["top_k"], s["top_p"]).exp()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+        assert torch.allclose(got.sum(-1), torch.ones(40, dtype=torch.float64))
+
+
+def test_the_slack_admits_only_tokens_at_a_boundary():
+    probs = torch.tensor([0.5, 0.35, 0.15 - 1e-6, 1e-6], dtype=torch.float64)
+    logits = probs.log()[None]
+    strict = reference_probs(logits, 1.0, None, 0.8495)[0]  # 0.5 + 0.35 reach 0.8495: the third is out
+    assert strict[1] > 0 and strict[2] == 0 and strict[3] == 0
+    wide = reference_probs(logits, 1.0, None, 0.8495, slack=1e-3)[0]
+    assert wide[2] > 0 and wide[3] == 0  # mass before the third, 0.85, is within 0.8495 + 0.001
+    assert reference_probs(logits, 1.0, 2, None, slack=1e-3)[0][2] == 0  # far below the 2nd logit
+
+
+def test_poisson_binomial_tail_is_exact():
+    probs = [0.1, 0.5, 0.03, 0.7, 0.25]
+    for observed in range(len(probs) + 2):
+        brute = sum(math.prod(p if bit else 1 - p for p, bit in zip(probs, bits))
+                    for bits in itertools.product((0, 1), repeat=len(probs)) if sum(bits) >= observed)
+        assert poisson_binomial_sf(probs, observed) == pytest.approx(brute, abs=1e-12)
+
+
+def test_chi_square_tail():
+    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, rel=1e-9)
+    assert chi2_sf(4.0, 2) == pytest.approx(math.exp(-2.0), rel=1e-12)
+    assert chi2_sf(0.0, 5) == 1.0 and chi2_sf(7.0, 0) == 1.0
+
+
+def test_node_ids_group_rows_by_request_and_prefix():
+    tokens = np.array([[1, 2, 3], [1, 2, 4], [1, 5, 3], [1, 2, 3]])
+    node = _node_ids(np.array([0, 0, 0, 1]), tokens, np.array([3, 3, 3, 3]), vocab=8)
+    assert len(set(node[:, 0])) == 2  # two requests
+    assert node[0, 1] == node[1, 1] == node[2, 1] != node[3, 1]  # prefix (1); row 3 is another request
+    assert node[0, 2] == node[1, 2] != node[2, 2]  # prefixes (1, 2) and (1, 5)
+    assert node[3, 2] not in node[:3, 2]
+
+
+# ---------------------------------------------------------------- verdicts on the toy pair
+
+
+def test_correct_samplers_pass_and_the_report_names_each_part():
+    target, draft = TOY
+    vectors = sampled_vectors(target, seed=1)
+    for engine in (sampling_engine(target, None), sampling_engine(target, draft)):
+        outputs = run_sampled(engine, vectors)
+        report = check_samples(vectors, outputs, target)
+        assert report.conformant, report.table()
+        assert [s["name"] for s in report.settings] == [s["name"] for s in SETTINGS]
+        assert sum(s["tokens"] for s in report.settings) == sum(len(o["token_ids"]) for o in outputs)
+        assert {d["kind"] for d in report.independence} == {"twin", "slot"}
+        assert len(report.p_values()) == 2 * len(SETTINGS) + 2 and report.threshold == ALPHA / 14
+
+
+FLAGGED_BY = {  # the part of the check that must reject each bug at the default size (one run)
+    "draft-without-temperature": "tree", "draft-argmax": "tree", "residual-unnormalised": "tree",
+    "bonus-from-draft": "support", "truncation-target-only": "tree", "temperature-after-truncation": "support",
+    "shared-stream": "independence twin", "slot-keyed": "independence slot",
+}
+
+
+@pytest.mark.parametrize("bug", sorted(FLAGGED_BY))
+def test_each_broken_sampler_is_flagged_by_its_part(bug):
+    target, draft = TOY
+    vectors = sampled_vectors(target, seed=2)
+    report = check_samples(vectors, run_sampled(sampling_engine(target, draft, bug=bug), vectors), target)
+    assert not report.conformant
+    part = FLAGGED_BY[bug]
+    if part == "support":
+        assert report.violations and "outside the kept set" in report.lines()[0]
+    else:
+        assert min(p for name, p in report.p_values() if part in name) < report.threshold, report.table()
+
+
+def test_malformed_outputs_are_errors_named_by_row():
+    target, _ = TOY
+    vectors = sampled_vectors(target, seed=1, samples=4)
+    outputs = run_sampled(sampling_engine(target, None), vectors)
+    eos = vectors.manifest["eos_token_ids"][0]
+    other = 1 if eos != 1 else 2
+    outputs[0]["token_ids"] = [other] * (vectors.rows[0]["max_new_tokens"] + 1)  # past the budget
+    outputs[1]["token_ids"] = [eos, 1]  # past its EOS
+    outputs[2]["token_ids"] = [other]  # stopped early, no EOS
+    missing = outputs.pop(3)["id"]
+    outputs.append(dict(outputs[4]))  # given twice
+    report = check_samples(vectors, outputs, target)
+    assert not report.conformant
+    text = "\n".join(report.lines())
+    for ident, problem in ((outputs[0]["id"], "past the budget"), (outputs[1]["id"], "past the EOS"),
+                           (outputs[2]["id"], "before its budget"), (missing, "no output"),
+                           (outputs[4]["id"], "more than once")):
+        assert any(ident in line and problem in line for line in report.lines()), (problem, text)
+
+
+def test_a_token_outside_the_kept_set_is_a_violation():
+    target, _ = TOY
+    vectors = sampled_vectors(target, seed=1, samples=4)
+    outputs = run_sampled(sampling_engine(target, None), vectors)
+    row = next(i for i, r in enumerate(vectors.rows) if r["top_k"] == 5)
+    ids = torch.tensor([vectors.rows[row]["token_ids"]])
+    worst = int(target(input_ids=ids).logits[0, -1].argmin())
+    outputs[row]["token_ids"][0] = worst
+    report = check_samples(vectors, outputs, target)
+    assert (vectors.rows[row]["id"], 0, worst) in report.violations and report.p_value() == 0.0
+
+
+def test_vectors_on_disk_round_trip_and_tampering_is_refused(tmp_path):
+    from specbatch.conform import VectorError
+    target, _ = TOY
+    manifest = make_sampled_vectors(target, tmp_path / "v", samples=8)
+    vectors = load_sampled_vectors(tmp_path / "v")
+    assert manifest["num_rows"] == len(vectors.rows) == 8 * 2 * len(SETTINGS)
+    assert vectors.rows == sampled_vectors(target, samples=8).rows
+    rows = (tmp_path / "v" / "rows.jsonl").read_text().splitlines()
+    (tmp_path / "v" / "rows.jsonl").write_text("\n".join(rows[:-1]) + "\n")
+    with pytest.raises(VectorError, match="SHA-256"):
+        load_sampled_vectors(tmp_path / "v")
+
+
+# ---------------------------------------------------------------- real engines pass
+
+
+@pytest.mark.parametrize("engine", ["specbatch-rejection", "specbatch-coupled", "transformers-sample"])
+def test_real_engines_pass_on_a_tiny_model(engine):
+    target = tiny("llama", seed=0, dtype=torch.float32)
+    draft = tiny("llama", layers=1, seed=1, dtype=torch.float32)
+    make = {"specbatch-rejection": lambda: specbatch_sampling_engine(target, draft, "rejection"),
+            "specbatch-coupled": lambda: specbatch_sampling_engine(target, draft, "coupled"),
+            "transformers-sample": lambda: hf_sampling_engine(target)}[engine]
+    vectors = sampled_vectors(target, seed=4, samples=32)
+    report = check_sampling(make(), vectors, target, batch_size=8)
+    assert report.conformant and not report.violations
+
+
+@pytest.mark.full
+def test_transformers_assisted_sampling_passes():
+    target = tiny("llama", seed=0, dtype=torch.float32)
+    draft = tiny("llama", layers=1, seed=1, dtype=torch.float32)
+    report = check_sampling(hf_sampling_engine(target, draft), sampled_vectors(target, seed=5, samples=32), target)
+    assert report.conformant
+
+
+def test_check_sampling_raises_with_the_table():
+    target, draft = TOY
+    with pytest.raises(ConformanceError, match="independence twin"):
+        check_sampling(sampling_engine(target, draft, bug="shared-stream"), sampled_vectors(target, samples=32), target)
+
+
+# ---------------------------------------------------------------- simulation: null and power
+
+
+@pytest.mark.full
+def test_p_values_are_uniform_under_the_null():
+    """200 runs of exact target-only sampling at the default size: the chi-square parts' p-values
+    pass a KS test for uniformity, the exact independence p-values are never below their level
+    more often than allowed, and the whole check raises at most one false alarm."""
+    target, _ = TOY
+    reports = sampled_power(sampling_engine(target, None), target, runs=200, seed=1000)
+    for part in ("tree", "rank"):
+        values = [p for r in reports for name, p in r.p_values() if name.endswith(part)]
+        assert len(values) == 200 * len(SETTINGS)
+        assert kolmogorov_p(values) > 0.001, part
+    for kind in ("twin", "slot"):
+        values = np.array([d["p"] for r in reports for d in r.independence if d["kind"] == kind])
+        for level in (0.05, 0.2, 0.5):
+            assert (values <= level).mean() <= level + 3 * math.sqrt(level / len(values))
+    assert sum(not r.conformant for r in reports) <= 1
+
+
+@pytest.mark.full
+def test_correct_speculative_sampling_raises_no_false_alarm():
+    target, draft = TOY
+    reports = sampled_power(sampling_engine(target, draft), target, runs=20, seed=2000)
+    assert all(r.conformant for r in reports)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("bug", sorted(FLAGGED_BY))
+def test_power_against_each_broken_sampler(bug):
+    """10 runs at the default size: every one rejected (benchmarks/sampled_power.py measures 100)."""
+    target, draft = TOY
+    reports = sampled_power(sampling_engine(target, draft, bug=bug), target, runs=10, seed=3000)
+    assert sum(not r.conformant for r in reports) == 10
+
+
+def test_bugs_are_all_named():
+    assert set(FLAGGED_BY) | {"draft-bf16-logits"} == set(BUGS)
+    assert json.dumps(BUGS)  # one line each, for the docs' table
