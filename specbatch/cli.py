@@ -238,33 +238,113 @@ def cmd_bench(args) -> int:
 
 
 def cmd_conform(args) -> int:
-    from .conform import VectorError, check_identity, check_outputs, load_vectors, make_vectors, read_outputs
+    from .conform import VectorError
     try:
         if args.action == "make":
-            from pathlib import Path
-            out = Path(args.out)
-            if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
-                raise UserError(f"--out {out} exists and is not an empty folder")
-            if not out.absolute().parent.is_dir():
-                raise UserError(f"--out {out}: folder {out.absolute().parent} does not exist")
-            opts, _ = options_from_args(args)
-            target, _, tokenizer = load(args.target, dtype=opts.dtype, device=opts.device)
-            manifest = make_vectors(target, out, tokenizer=tokenizer, seed=args.seed, max_context=args.max_context)
-            print(f"{manifest['num_requests']} requests in {out} (classes: {', '.join(manifest['classes'])}); "
-                  f"EOS ids {manifest['eos_token_ids']}, pad id {manifest['pad_token_id']}")
-            return 0
-        vectors = load_vectors(args.vectors, allow_modified=args.allow_modified,
-                               warn=lambda message: print(f"warning: {message}", file=sys.stderr))
-        outputs, warnings = read_outputs(args.outputs)
-        for w in warnings[:5]:
-            print(f"warning: {w}", file=sys.stderr)
-        if args.target:
-            target, _, _ = load(args.target, dtype=vectors.manifest["dtype"], device="cpu")
-            for line in check_identity(vectors, target):
-                print(f"warning: model differs from the vectors' - {line}", file=sys.stderr)
-        report = check_outputs(vectors, outputs, ulps=args.tie_ulps)
+            return _conform_make(args)
+        if args.action == "sample":
+            return _conform_sample(args)
+        from .sampled import is_sampled
+        if is_sampled(args.vectors):
+            return _conform_check_sampled(args)
+        return _conform_check_greedy(args)
     except VectorError as e:
         raise UserError(str(e)) from None
+
+
+def _new_folder(path) -> Path:
+    out = Path(path)
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+        raise UserError(f"--out {out} exists and is not an empty folder")
+    if not out.absolute().parent.is_dir():
+        raise UserError(f"--out {out}: folder {out.absolute().parent} does not exist")
+    return out
+
+
+def _conform_make(args) -> int:
+    from .conform import make_vectors
+    out = _new_folder(args.out)
+    opts, _ = options_from_args(args)
+    target, _, tokenizer = load(args.target, dtype=opts.dtype, device=opts.device)
+    if not args.sampled:
+        manifest = make_vectors(target, out, tokenizer=tokenizer, seed=args.seed, max_context=args.max_context)
+        print(f"{manifest['num_requests']} requests in {out} (classes: {', '.join(manifest['classes'])}); "
+              f"EOS ids {manifest['eos_token_ids']}, pad id {manifest['pad_token_id']}")
+        return 0
+    from .sampled import make_sampled_vectors
+    prompts = None
+    if args.prompts:
+        if tokenizer is None:
+            raise UserError("--prompts: the target has no tokenizer to encode them with")
+        prompts = encode_prompts([text for _, text in read_prompt_file(args.prompts)][:args.requests], tokenizer,
+                                 args.chat_template)
+    manifest = make_sampled_vectors(target, out, tokenizer=tokenizer, prompts=prompts, samples=args.samples,
+                                    requests_per_setting=args.requests, max_new_tokens=args.sampled_tokens,
+                                    seed=args.seed)
+    print(f"{manifest['num_rows']} rows in {out}: {len(manifest['settings'])} settings x "
+          f"{manifest['requests_per_setting']} requests x {manifest['samples']} samples of "
+          f"{manifest['max_new_tokens']} tokens; submit each setting's rows together, batch size "
+          f"{manifest['batch_size']}")
+    return 0
+
+
+def _conform_sample(args) -> int:
+    """specbatch (or transformers) run on sampled vectors: one output line per row."""
+    import json
+
+    from .sampled import load_sampled_vectors
+    from .testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
+    vectors = load_sampled_vectors(args.vectors)
+    out = Path(args.out)
+    if out.exists():
+        raise UserError(f"--out {out} exists; choose a new file")
+    opts, _ = options_from_args(args)
+    draft_name = None if args.draft in (None, "none") else args.draft
+    target, draft, _ = load(args.target, draft_name, dtype=vectors.manifest["dtype"], device=opts.device)
+    if args.engine == "transformers":
+        engine = hf_sampling_engine(target, draft)
+    else:
+        engine = specbatch_sampling_engine(target, draft, sampling=args.sampling)
+    rows = run_sampled(engine, vectors, batch_size=args.batch_size)
+    with open(out, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"{len(rows)} rows written to {out}")
+    return 0
+
+
+def _conform_check_sampled(args) -> int:
+    from .sampled import check_samples, load_sampled_vectors, read_sampled_outputs
+    if not args.target:
+        raise UserError("sampled vectors: --target is required (the checker computes the target's distributions)")
+    vectors = load_sampled_vectors(args.vectors, allow_modified=args.allow_modified,
+                                   warn=lambda message: print(f"warning: {message}", file=sys.stderr))
+    outputs = read_sampled_outputs(args.outputs)
+    target, _, _ = load(args.target, dtype=vectors.manifest["dtype"], device="cpu")
+    from .conform import check_identity
+    for line in check_identity(vectors, target):
+        print(f"warning: model differs from the vectors' - {line}", file=sys.stderr)
+    report = check_samples(vectors, outputs, target, batch_size=args.batch_size)
+    print(report.table())
+    for line in report.lines():
+        print(line)
+    print(f"{'CONFORMANT' if report.conformant else 'NOT CONFORMANT'}: p = {report.p_value():.3g} "
+          f"(Bonferroni over {len(report.p_values())} tests; alpha {report.alpha:g})")
+    return 0 if report.conformant else 1
+
+
+def _conform_check_greedy(args) -> int:
+    from .conform import check_identity, check_outputs, load_vectors, read_outputs
+    vectors = load_vectors(args.vectors, allow_modified=args.allow_modified,
+                           warn=lambda message: print(f"warning: {message}", file=sys.stderr))
+    outputs, warnings = read_outputs(args.outputs)
+    for w in warnings[:5]:
+        print(f"warning: {w}", file=sys.stderr)
+    if args.target:
+        target, _, _ = load(args.target, dtype=vectors.manifest["dtype"], device="cpu")
+        for line in check_identity(vectors, target):
+            print(f"warning: model differs from the vectors' - {line}", file=sys.stderr)
+    report = check_outputs(vectors, outputs, ulps=args.tie_ulps)
     print(report.table())
     for line in report.lines():
         print(line)
@@ -429,14 +509,39 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 0)")
     m.add_argument("--max-context", type=positive_int, default=512, help="cap on the long prompts' length")
     m.add_argument("--out", required=True, help="a new (or empty) folder")
+    m.add_argument("--sampled", action="store_true", help="sampled vectors (settings of temperature, top-k and "
+                   "top-p, many samples per request) instead of greedy ones")
+    m.add_argument("--samples", type=int_at_least(4, "positive"), default=512, help="--sampled: samples per "
+                   "request, a multiple of 4 (default 512)")
+    m.add_argument("--requests", type=positive_int, default=2, help="--sampled: requests per setting (default 2)")
+    m.add_argument("--sampled-tokens", type=positive_int, default=8, help="--sampled: new tokens per sample "
+                   "(default 8)")
+    m.add_argument("--prompts", help="--sampled: prompt file (the generate forms) whose first --requests prompts "
+                   "are used (default: random token ids)")
+    m.add_argument("--chat-template", action="store_true", help="--prompts: wrap each in the tokenizer's chat "
+                   "template")
     c = act.add_parser("check", help="compare an engine's outputs (JSONL: id, token_ids) with the vectors "
-                       "(exit 0 conformant, 1 algorithmic divergence or missing/extra ids, 2 unreadable)")
+                       "(exit 0 conformant, 1 divergence, missing/extra ids or, for sampled vectors, a rejected "
+                       "distribution test; 2 unreadable)")
     c.add_argument("vectors", help="folder written by conform make")
     c.add_argument("outputs", help="JSONL with id and token_ids per request (text only: compared as text)")
-    c.add_argument("--target", help="also check that this model is the one the vectors were made with")
+    c.add_argument("--target", help="also check that this model is the one the vectors were made with (required "
+                   "for sampled vectors: the checker computes its distributions)")
     c.add_argument("--tie-ulps", type=float, default=None, help="tie threshold in ulps (default: the dtype's)")
+    c.add_argument("--batch-size", type=positive_int, default=None, help="sampled vectors: the batch size the "
+                   "engine ran with (it names the slot pairs; default the manifest's)")
     c.add_argument("--allow-modified", action="store_true", help="check against vectors whose files differ from "
                    "the manifest's checksums (with a warning) instead of refusing them")
+    s_ = act.add_parser("sample", help="run specbatch (or transformers) on sampled vectors and write its outputs")
+    s_.add_argument("vectors", help="folder written by conform make --sampled")
+    s_.add_argument("--target", required=True, help="model (the --target forms of generate)")
+    s_.add_argument("--draft", default=None, help="draft (the --draft forms of generate; default none)")
+    s_.add_argument("--engine", choices=("specbatch", "transformers"), default="specbatch",
+                    help="specbatch.generate (default) or transformers' generate (assisted with --draft)")
+    s_.add_argument("--sampling", choices=SAMPLING_MODES, default="rejection", help="specbatch's sampling mode")
+    s_.add_argument("--batch-size", type=positive_int, default=None, help="default: the manifest's")
+    add_options(s_, ("device",))
+    s_.add_argument("--out", required=True, help="outputs file to write (JSONL: id, token_ids)")
     p.set_defaults(run=cmd_conform)
 
     p = sub.add_parser("check-trace", help="validate a round trace against the invariants (exit 0 valid, "

@@ -419,7 +419,6 @@ def check_outputs(vectors, outputs, ulps: float | None = None) -> Report:
 
 def check_identity(vectors, model) -> list[str]:
     """Differences between the model and the one the vectors were made with (empty: the same)."""
-    vectors = vectors if isinstance(vectors, Vectors) else load_vectors(vectors)
-    have = model_identity(model)
-    return [f"{key}: vectors have {vectors.manifest.get(key)!r}, the model has {value!r}"
-            for key, value in have.items() if vectors.manifest.get(key) != value]
+    manifest = vectors.manifest if hasattr(vectors, "manifest") else load_vectors(vectors).manifest
+    return [f"{key}: vectors have {manifest.get(key)!r}, the model has {value!r}"
+            for key, value in model_identity(model).items() if manifest.get(key) != value]

@@ -224,3 +224,30 @@ def test_power_against_each_broken_sampler(bug):
 def test_bugs_are_all_named():
     assert set(FLAGGED_BY) | {"draft-bf16-logits"} == set(BUGS)
     assert json.dumps(BUGS)  # one line each, for the docs' table
+
+
+def test_cli_make_sample_and_check(folders, prompt_file, tmp_path, capsys):
+    """conform make --sampled, conform sample (specbatch rejection), conform check: exit 0; a broken
+    output file: exit 1 naming the problem; a missing --target or unreadable outputs: exit 2."""
+    from specbatch.cli import main
+    vectors = tmp_path / "sampled"
+    assert main(["conform", "make", "--sampled", "--target", str(folders["target"]), "--samples", "16",
+                 "--prompts", str(prompt_file), "--out", str(vectors)]) == 0
+    assert "settings x 2 requests x 16 samples" in capsys.readouterr().out
+    outputs = tmp_path / "out.jsonl"
+    assert main(["conform", "sample", str(vectors), "--target", str(folders["target"]), "--draft",
+                 str(folders["draft"]), "--batch-size", "8", "--out", str(outputs)]) == 0
+    capsys.readouterr()
+    assert main(["conform", "check", str(vectors), str(outputs), "--target", str(folders["target"]),
+                 "--batch-size", "8"]) == 0
+    assert "CONFORMANT: p = " in capsys.readouterr().out
+    rows = [json.loads(line) for line in outputs.read_text().splitlines()]
+    rows[0]["token_ids"] = rows[0]["token_ids"] * 3  # past its budget
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["conform", "check", str(vectors), str(broken), "--target", str(folders["target"])]) == 1
+    assert f"{rows[0]['id']}: " in capsys.readouterr().out
+    assert main(["conform", "check", str(vectors), str(outputs)]) == 2
+    assert "--target is required" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"id": \n')
+    assert main(["conform", "check", str(vectors), str(tmp_path / "bad.jsonl"), "--target", str(folders["target"])]) == 2

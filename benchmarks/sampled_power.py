@@ -1,0 +1,67 @@
+"""The sampled checker's false-alarm rate and power, measured by simulation at the default size.
+
+    python benchmarks/sampled_power.py --out docs/results/sampled-power [--runs 100] [--null-runs 200]
+
+Engines (specbatch.sampling_engines) on the toy pair of specbatch.testing.toy_sampling_pair (a
+tiny two-token-context model and a noisy copy as its draft; logits offset to about 24, as in real
+models): exact target-only sampling and correct speculative sampling (the null), then each named
+bug. draft-bf16-logits is also run on a pair whose logits sit near 100 (bfloat16's step there is
+0.5), to show how its power grows with the rounding it causes. Each run draws its own vectors
+(prompts and row seeds); the checker is specbatch.sampled.check_samples at alpha 0.001.
+Writes power.json (every run's p-value and verdict, and the machine) and power.md (the table).
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from specbatch.machine import describe_machine
+from specbatch.sampled import ALPHA
+from specbatch.sampling_engines import BUGS, sampling_engine
+from specbatch.testing import sampled_power, toy_sampling_pair
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", type=int, default=100, help="runs per broken engine (default 100)")
+    ap.add_argument("--null-runs", type=int, default=200, help="runs of exact target-only sampling (default 200)")
+    ap.add_argument("--only", help="comma-separated engine names to run (default: all)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, draft = toy_sampling_pair()
+    big_target, big_draft = toy_sampling_pair(logit_offset=100.0)
+    cases = [("target-only (null)", target, None, None, a.null_runs),
+             ("speculative (null)", target, draft, None, a.runs)]
+    cases += [(bug, target, draft, bug, a.runs) for bug in BUGS]
+    cases.append(("draft-bf16-logits, logits near 100", big_target, big_draft, "draft-bf16-logits", a.runs))
+    if a.only:
+        cases = [c for c in cases if c[0] in a.only.split(",")]
+    results = []
+    for name, t, d, bug, runs in cases:
+        start = time.time()
+        reports = sampled_power(sampling_engine(t, d, bug=bug), t, runs=runs, seed=10_000)
+        p = [r.p_value() for r in reports]
+        rejected = sum(not r.conformant for r in reports)
+        results.append(dict(engine=name, bug=bug, runs=runs, rejected=rejected, p_values=p,
+                            violations=sum(bool(r.violations) for r in reports),
+                            seconds=round(time.time() - start, 1)))
+        print(f"{name:40s} rejected {rejected}/{runs}  ({time.time() - start:.0f} s)", flush=True)
+    machine = describe_machine()
+    command = "python benchmarks/sampled_power.py " + " ".join(sys.argv[1:])
+    (out / "power.json").write_text(json.dumps(dict(command=command, machine=machine, alpha=ALPHA,
+                                                    results=results), indent=1) + "\n")
+    lines = [f"# Sampled checker: false alarms and power at the default size", "",
+             f"Command: `{command}`", f"Machine: {machine['summary']}", "",
+             "| engine | what it does wrong | runs | rejected | median p-value |", "|---|---|---:|---:|---:|"]
+    for r in results:
+        p = sorted(r["p_values"])
+        lines.append(f"| {r['engine']} | {BUGS.get(r['bug'], 'nothing (exact)')} | {r['runs']} | {r['rejected']} | "
+                     f"{p[len(p) // 2]:.2g} |")
+    (out / "power.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
