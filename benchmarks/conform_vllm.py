@@ -6,7 +6,10 @@ and write outputs that `specbatch conform check` reads.
         --out vllm_outputs.jsonl [--ngram | --draft DRAFT_DIR] [--k 4] [--max-num-seqs 4] [--order shuffled]
     specbatch conform check vectors/ vllm_outputs.jsonl
 
-All requests are submitted at once in the chosen order (the manifest's suggested orders);
+Sampled vectors (`conform make --sampled`): each setting's rows are submitted at once, in file order,
+each with its own temperature, top-k, top-p and seed (`specbatch conform check vectors/ vllm_outputs.jsonl
+--target MODEL` judges the distribution). Greedy vectors:
+all requests are submitted at once in the chosen order (the manifest's suggested orders);
 --max-num-seqs bounds how many vLLM batches together, so small values make it admit new requests
 while others run (continuous batching mixes lengths). Greedy, each request's max_new_tokens and the
 vectors' EOS ids as stop tokens. Imports only vLLM and the standard library (vLLM is never a
@@ -35,8 +38,10 @@ def main():
     from vllm.inputs import TokensPrompt
 
     manifest = json.load(open(os.path.join(a.vectors, "manifest.json")))
-    requests = [json.loads(line) for line in open(os.path.join(a.vectors, "requests.jsonl")) if line.strip()]
-    order = manifest["suggested"]["orders"][a.order]
+    sampled = manifest.get("format") == "specbatch-sampled"
+    requests = [json.loads(line) for line in open(os.path.join(a.vectors, "rows.jsonl" if sampled else "requests.jsonl"))
+                if line.strip()]
+    order = list(range(len(requests))) if sampled else manifest["suggested"]["orders"][a.order]
     speculative = None
     if a.ngram:
         speculative = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -46,9 +51,20 @@ def main():
               max_num_seqs=a.max_num_seqs, seed=0)
     eos = manifest["eos_token_ids"]
     chosen = [requests[i] for i in order]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], stop_token_ids=eos) for r in chosen]
+
+    def params(r):
+        if not sampled:
+            return SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], stop_token_ids=eos)
+        extra = dict(top_k=r["top_k"]) if r["top_k"] else {}
+        return SamplingParams(temperature=r["temperature"], top_p=r["top_p"] or 1.0, seed=r["seed"],
+                              max_tokens=r["max_new_tokens"], stop_token_ids=eos, **extra)
+    groups = [[r for r in chosen if r["setting"] == s["name"]] for s in manifest["settings"]] if sampled else [chosen]
     start = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=r["token_ids"]) for r in chosen], params)
+    outputs = []
+    for group in groups:
+        outputs += llm.generate([TokensPrompt(prompt_token_ids=r["token_ids"]) for r in group],
+                                [params(r) for r in group])
+    chosen = [r for group in groups for r in group]
     seconds = time.perf_counter() - start
     with open(a.out, "w", encoding="utf-8") as f:
         for r, o in zip(chosen, outputs):
@@ -57,7 +73,8 @@ def main():
                 tokens.append(o.outputs[0].stop_reason)  # the EOS that stopped it, kept as the oracle keeps it
             f.write(json.dumps(dict(id=r["id"], token_ids=tokens)) + "\n")
     mode = "ngram" if a.ngram else ("draft" if a.draft else "target-only")
-    print(f"vllm {mode}, max_num_seqs {a.max_num_seqs}, {a.order} order: {len(chosen)} requests in {seconds:.1f} s")
+    print(f"vllm {mode}, max_num_seqs {a.max_num_seqs}, {'file' if sampled else a.order} order: {len(chosen)} "
+          f"requests in {seconds:.1f} s")
 
 
 if __name__ == "__main__":

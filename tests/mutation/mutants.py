@@ -18,6 +18,7 @@ KERNELS = ["tests/test_kernels.py"]
 OPTIONS = ["tests/test_options.py"]
 HOSTILE = ["tests/test_hostile_files.py"]
 BACKEND = ["tests/test_backend.py"]
+SAMPLED = ["tests/test_sampled.py"]
 
 MUTANTS = [
     # ---- masks
@@ -232,4 +233,19 @@ MUTANTS = [
      "            for path in every_part:\n                os.remove(path)\n",
      "            for path in every_part:\n                os.remove(path)\n"
      "            ResultWriter(args.out, order, done).finish()\n", ["tests/test_distributed.py"]),
+    # ---- the sampled checker (specbatch.sampled): each changes a verdict
+    ("pit-not-randomised", "sampled checker", "specbatch/sampled.py",
+     "pit = before + rng.random(tokens.shape) * p", "pit = before + p", SAMPLED),
+    ("slot-pairs-off-by-one", "sampled checker", "specbatch/sampled.py",
+     "pairs = [(rows[g], rows[g + batch_size]) for g in range(len(rows) - batch_size)",
+     "pairs = [(rows[g], rows[g + batch_size - 1]) for g in range(len(rows) - batch_size)", SAMPLED),
+    ("no-bonferroni", "sampled checker", "specbatch/sampled.py",
+     "return self.alpha / max(1, len(self.p_values()))", "return self.alpha", SAMPLED),
+    ("rank-bins-off-by-one", "sampled checker", "specbatch/sampled.py",
+     "hist = np.bincount(np.minimum((rank * PIT_BINS).astype(int), PIT_BINS - 1), minlength=PIT_BINS)",
+     "hist = np.bincount(np.minimum((rank * (PIT_BINS - 1)).astype(int), PIT_BINS - 1), minlength=PIT_BINS)",
+     SAMPLED),
+    ("slack-narrows-top-k", "sampled checker", "specbatch/sampled.py",
+     "x = x.masked_fill(x < kth - slack * (1 + kth.abs()), float(\"-inf\"))",
+     "x = x.masked_fill(x < kth + slack * (1 + kth.abs()), float(\"-inf\"))", SAMPLED),
 ]
