@@ -32,6 +32,10 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--order", default="shuffled", choices=("input", "reversed", "shuffled"))
+    ap.add_argument("--no-request-seeds", action="store_true", help="sampled vectors: leave each row's seed out "
+                    "(vLLM's CPU build refuses per-request seeds: 'CPU Generator does not use offset'); rows then "
+                    "draw from the engine's own stream, seeded once with 0")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile warm-up)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
@@ -48,7 +52,7 @@ def main():
     elif a.draft:
         speculative = {"method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k}
     llm = LLM(model=a.model, dtype=a.dtype or manifest["dtype"], speculative_config=speculative, max_model_len=2048,
-              max_num_seqs=a.max_num_seqs, seed=0)
+              max_num_seqs=a.max_num_seqs, seed=0, enforce_eager=a.eager)
     eos = manifest["eos_token_ids"]
     chosen = [requests[i] for i in order]
 
@@ -56,7 +60,9 @@ def main():
         if not sampled:
             return SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], stop_token_ids=eos)
         extra = dict(top_k=r["top_k"]) if r["top_k"] else {}
-        return SamplingParams(temperature=r["temperature"], top_p=r["top_p"] or 1.0, seed=r["seed"],
+        if not a.no_request_seeds:
+            extra["seed"] = r["seed"]
+        return SamplingParams(temperature=r["temperature"], top_p=r["top_p"] or 1.0,
                               max_tokens=r["max_new_tokens"], stop_token_ids=eos, **extra)
     groups = [[r for r in chosen if r["setting"] == s["name"]] for s in manifest["settings"]] if sampled else [chosen]
     start = time.perf_counter()

@@ -196,7 +196,7 @@ def conditionals(target, setting: dict, prompts, continuations, cell_counts: dic
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
     out = Conditionals([None] * len(prompts), [None] * len(prompts), [], {})
-    budget = max(1, int(5e7 // vocab))  # continuation tokens per chunk: [tokens, V] float64 stays small
+    budget = max(1, int(2.5e7 // vocab))  # continuation tokens per chunk: [tokens, V] float64 stays small
     start = 0
     while start < len(prompts):
         stop, tokens = start, 0
@@ -207,10 +207,12 @@ def conditionals(target, setting: dict, prompts, continuations, cell_counts: dic
         width = max(map(len, group))
         ids = torch.tensor([g + [0] * (width - len(g)) for g in group], device=device)
         mask = torch.arange(width, device=device)[None, :] < torch.tensor([len(g) for g in group], device=device)[:, None]
+        low = min(len(prompts[i]) for i in range(start, stop)) - 1  # logits only where a continuation token is predicted
         with torch.inference_mode():
-            logits = target(input_ids=ids, attention_mask=mask.long()).logits
+            logits = target(input_ids=ids, attention_mask=mask.long(),
+                            logits_to_keep=torch.arange(low, width, device=device)).logits
         rows = [i - start for i in range(start, stop) for _ in continuations[i]]
-        at = [len(prompts[i]) - 1 + t for i in range(start, stop) for t in range(len(continuations[i]))]
+        at = [len(prompts[i]) - 1 - low + t for i in range(start, stop) for t in range(len(continuations[i]))]
         start = stop
         if not rows:
             continue

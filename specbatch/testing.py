@@ -374,11 +374,12 @@ def check_sampling(sample_fn, vectors, target, batch_size: int | None = None, al
     return report
 
 
-def sampled_power(sample_fn, target, runs: int = 100, seed: int = 0, group: int = 10, **vector_options) -> list:
+def sampled_power(sample_fn, target, runs: int = 100, seed: int = 0, group: int = 1, **vector_options) -> list:
     """The sampled checker's reports on `runs` independent runs of an engine: run j draws its
     prompts and row seeds from seed + j (specbatch.sampled.sampled_vectors, vector_options as
     there); the rows of `group` runs for one setting go to the engine in one call (each run's rows
-    fill whole batches, so slots and batches are as in a run of its own)."""
+    fill whole batches, so slots and batches are as in a run of its own; a group helps engines whose
+    cost is mostly per call)."""
     import functools
 
     from .sampled import check_samples, sampled_vectors
