@@ -49,6 +49,9 @@ def test_the_slack_admits_only_tokens_at_a_boundary():
     wide = reference_probs(logits, 1.0, None, 0.8495, slack=1e-3)[0]
     assert wide[2] > 0 and wide[3] == 0  # mass before the third, 0.85, is within 0.8495 + 0.001
     assert reference_probs(logits, 1.0, 2, None, slack=1e-3)[0][2] == 0  # far below the 2nd logit
+    near = torch.tensor([[5.0, 3.0, 3.0 - 1e-4, 0.0]], dtype=torch.float64)  # the 3rd within the slack of the 2nd
+    assert (reference_probs(near, 1.0, 2, None)[0] > 0).tolist() == [True, True, False, False]
+    assert (reference_probs(near, 1.0, 2, None, slack=1e-3)[0] > 0).tolist() == [True, True, True, False]
 
 
 def test_poisson_binomial_tail_is_exact():
