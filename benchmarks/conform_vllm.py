@@ -36,6 +36,7 @@ def main():
                     "(vLLM's CPU build refuses per-request seeds: 'CPU Generator does not use offset'); rows then "
                     "draw from the engine's own stream, seeded once with 0")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile warm-up)")
+    ap.add_argument("--samples", type=int, help="sampled vectors: only the first N samples of each request")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
@@ -45,6 +46,8 @@ def main():
     sampled = manifest.get("format") == "specbatch-sampled"
     requests = [json.loads(line) for line in open(os.path.join(a.vectors, "rows.jsonl" if sampled else "requests.jsonl"))
                 if line.strip()]
+    if sampled and a.samples:
+        requests = [r for r in requests if r["sample"] < a.samples]
     order = list(range(len(requests))) if sampled else manifest["suggested"]["orders"][a.order]
     speculative = None
     if a.ngram:

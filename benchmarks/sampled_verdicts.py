@@ -69,7 +69,8 @@ def main():
         judge(name, these, outputs, round(time.perf_counter() - start, 1), a.batch_size)
     for item in a.outputs:
         name, _, path = item.partition("=")
-        judge(name, vectors, read_sampled_outputs(path), None, vectors.manifest["batch_size"])
+        these = subset(vectors, int(smaller[name])) if name in smaller else vectors
+        judge(name, these, read_sampled_outputs(path), None, vectors.manifest["batch_size"])
     machine = describe_machine()
     command = "python benchmarks/sampled_verdicts.py " + " ".join(sys.argv[1:])
     (out / "verdicts.json").write_text(json.dumps(dict(command=command, machine=machine, target=a.target,
