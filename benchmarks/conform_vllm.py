@@ -37,6 +37,7 @@ def main():
                     "draw from the engine's own stream, seeded once with 0")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile warm-up)")
     ap.add_argument("--samples", type=int, help="sampled vectors: only the first N samples of each request")
+    ap.add_argument("--settings", help="sampled vectors: only these settings (comma-separated names)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
@@ -48,6 +49,8 @@ def main():
                 if line.strip()]
     if sampled and a.samples:
         requests = [r for r in requests if r["sample"] < a.samples]
+    if sampled and a.settings:
+        requests = [r for r in requests if r["setting"] in a.settings.split(",")]
     order = list(range(len(requests))) if sampled else manifest["suggested"]["orders"][a.order]
     speculative = None
     if a.ngram:

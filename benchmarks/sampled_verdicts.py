@@ -22,10 +22,13 @@ from specbatch.sampled import SampledVectors, check_samples, load_sampled_vector
 from specbatch.testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
 
 
-def subset(vectors: SampledVectors, samples: int) -> SampledVectors:
-    """The rows of the first `samples` samples of every request (a multiple of 4 keeps twins and slots)."""
-    rows = [r for r in vectors.rows if r["sample"] < samples]
-    return SampledVectors(dict(vectors.manifest, samples=samples, num_rows=len(rows)), rows)
+def subset(vectors: SampledVectors, samples: int, settings=None) -> SampledVectors:
+    """The rows of the first `samples` samples of every request (a multiple of 4 keeps twins and
+    slots), of the named settings only if given."""
+    kept = [s for s in vectors.manifest["settings"] if settings is None or s["name"] in settings]
+    names = {s["name"] for s in kept}
+    rows = [r for r in vectors.rows if r["sample"] < samples and r["setting"] in names]
+    return SampledVectors(dict(vectors.manifest, samples=samples, num_rows=len(rows), settings=kept), rows)
 
 
 def main():
@@ -36,6 +39,8 @@ def main():
     ap.add_argument("--engines", default="specbatch-rejection,specbatch-coupled,transformers-sample")
     ap.add_argument("--samples-for", action="append", default=[], help="ENGINE=N")
     ap.add_argument("--outputs", action="append", default=[], help="NAME=FILE: outputs of an engine run elsewhere")
+    ap.add_argument("--settings-for", action="append", default=[], help="ENGINE=A,B: judge only these settings "
+                    "(an engine that failed on the others)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -44,6 +49,7 @@ def main():
     vectors = load_sampled_vectors(a.vectors)
     target, draft, _ = load(a.target, a.draft, dtype=vectors.manifest["dtype"])
     smaller = dict(item.split("=") for item in a.samples_for)
+    only = {name: names.split(",") for name, names in (item.split("=") for item in a.settings_for)}
     make = {"specbatch-rejection": lambda: specbatch_sampling_engine(target, draft, "rejection"),
             "specbatch-coupled": lambda: specbatch_sampling_engine(target, draft, "coupled"),
             "transformers-sample": lambda: hf_sampling_engine(target),
@@ -63,13 +69,13 @@ def main():
         print(report.table(), flush=True)
 
     for name in [e for e in a.engines.split(",") if e]:
-        these = subset(vectors, int(smaller[name])) if name in smaller else vectors
+        these = subset(vectors, int(smaller.get(name, vectors.manifest["samples"])), only.get(name))
         start = time.perf_counter()
         outputs = run_sampled(make[name](), these, batch_size=a.batch_size)
         judge(name, these, outputs, round(time.perf_counter() - start, 1), a.batch_size)
     for item in a.outputs:
         name, _, path = item.partition("=")
-        these = subset(vectors, int(smaller[name])) if name in smaller else vectors
+        these = subset(vectors, int(smaller.get(name, vectors.manifest["samples"])), only.get(name))
         judge(name, these, read_sampled_outputs(path), None, vectors.manifest["batch_size"])
     machine = describe_machine()
     command = "python benchmarks/sampled_verdicts.py " + " ".join(sys.argv[1:])

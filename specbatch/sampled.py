@@ -452,6 +452,8 @@ def _setting_statistics(target, setting, rows, got, rng) -> dict:
         i = int(np.flatnonzero(sequence_of == u)[0])
         here = at_big & (node == node[i, t])
         seen = tokens[here]
+        if not len(seen):  # every token here is outside the kept set (reported as violations)
+            continue
         observed = [int((seen == x).sum()) for x in cell_tokens]
         observed.append(len(seen) - sum(observed))
         probs = list(cell_probs) + [max(0.0, 1.0 - sum(cell_probs))]

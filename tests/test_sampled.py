@@ -135,7 +135,7 @@ def test_malformed_outputs_are_errors_named_by_row():
 
 def test_a_token_outside_the_kept_set_is_a_violation():
     target, _ = TOY
-    vectors = sampled_vectors(target, seed=1, samples=4)
+    vectors = sampled_vectors(target, seed=1, samples=32)
     outputs = run_sampled(sampling_engine(target, None), vectors)
     row = next(i for i, r in enumerate(vectors.rows) if r["top_k"] == 5)
     ids = torch.tensor([vectors.rows[row]["token_ids"]])
@@ -143,6 +143,13 @@ def test_a_token_outside_the_kept_set_is_a_violation():
     outputs[row]["token_ids"][0] = worst
     report = check_samples(vectors, outputs, target)
     assert (vectors.rows[row]["id"], 0, worst) in report.violations and report.p_value() == 0.0
+    for i, r in enumerate(vectors.rows):  # every sample of the request: a tested node with no token left
+        if r["request"] == vectors.rows[row]["request"]:
+            outputs[i]["token_ids"][0] = worst
+    report = check_samples(vectors, outputs, target)
+    first = {ident for ident, position, _ in report.violations if position == 0}
+    malformed = {line.split(":")[0] for line in report.errors}  # a row that had stopped at its first token
+    assert first == {r["id"] for r in vectors.rows if r["request"] == vectors.rows[row]["request"]} - malformed
 
 
 def test_vectors_on_disk_round_trip_and_tampering_is_refused(tmp_path):
