@@ -187,55 +187,92 @@ class Conditionals:
     cells: dict  # (sequence, position) -> Cochran cells of the node there, for the positions asked
 
 
-def conditionals(target, setting: dict, prompts, continuations, cell_counts: dict) -> Conditionals:
-    """One right-padded forward per chunk of sequences (a row attends only to its own earlier
-    tokens); the processed distribution at each continuation token, from which the probability
-    of that token, the mass ranked ahead of it, and, at the (sequence, position) keys of
-    cell_counts, the node's cells for that many samples."""
+def _continuation_logits(target, prompts, continuations):
+    """Per chunk of sequences: (first index, last index + 1, logits [N, V] predicting each
+    continuation token in order). Hugging Face models run each distinct prompt once and its
+    continuations on a copy of its KV cache (right-padded; a row attends only to its own tokens);
+    other models run every whole sequence."""
+    import copy
+
     import torch
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
-    out = Conditionals([None] * len(prompts), [None] * len(prompts), [], {})
     budget = max(1, int(2.5e7 // vocab))  # continuation tokens per chunk: [tokens, V] float64 stays small
+    cached = type(target).__module__.startswith("transformers.")
     start = 0
     while start < len(prompts):
         stop, tokens = start, 0
-        while stop < len(prompts) and (stop == start or tokens + len(continuations[stop]) <= budget):
+        while stop < len(prompts) and (stop == start or (tokens + len(continuations[stop]) <= budget
+                                                         and (not cached or prompts[stop] == prompts[start]))):
             tokens += len(continuations[stop])
             stop += 1
-        group = [list(prompts[i]) + list(continuations[i]) for i in range(start, stop)]
-        width = max(map(len, group))
-        ids = torch.tensor([g + [0] * (width - len(g)) for g in group], device=device)
-        mask = torch.arange(width, device=device)[None, :] < torch.tensor([len(g) for g in group], device=device)[:, None]
-        low = min(len(prompts[i]) for i in range(start, stop)) - 1  # logits only where a continuation token is predicted
+        conts = [list(continuations[i]) for i in range(start, stop)]
         with torch.inference_mode():
-            logits = target(input_ids=ids, attention_mask=mask.long(),
-                            logits_to_keep=torch.arange(low, width, device=device)).logits
-        rows = [i - start for i in range(start, stop) for _ in continuations[i]]
-        at = [len(prompts[i]) - 1 - low + t for i in range(start, stop) for t in range(len(continuations[i]))]
+            if cached:
+                from transformers import DynamicCache
+                prompt = list(prompts[start])
+                cache = DynamicCache(config=target.config)
+                head = target(input_ids=torch.tensor([prompt], device=device), past_key_values=cache,
+                              use_cache=True, logits_to_keep=1).logits[0, -1]
+                width = max(1, max(map(len, conts)) - 1)  # the last token of a row predicts nothing asked
+                ids = torch.tensor([c[:-1] + [0] * (width - max(len(c) - 1, 0)) for c in conts], device=device)
+                real = torch.tensor([len(c) - 1 for c in conts], device=device)
+                mask = torch.cat([torch.ones(len(conts), len(prompt), dtype=torch.long, device=device),
+                                  (torch.arange(width, device=device)[None, :] < real[:, None]).long()], dim=1)
+                rows_cache = copy.deepcopy(cache)
+                rows_cache.batch_repeat_interleave(len(conts))
+                positions = len(prompt) + torch.arange(width, device=device)[None, :].expand(len(conts), -1)
+                body = target(input_ids=ids, attention_mask=mask, past_key_values=rows_cache, use_cache=True,
+                              position_ids=positions).logits
+                parts = [torch.cat([head[None], body[j, :len(c) - 1]]) for j, c in enumerate(conts) if c]
+            else:
+                group = [list(prompts[i]) + conts[i - start] for i in range(start, stop)]
+                width = max(map(len, group))
+                ids = torch.tensor([g + [0] * (width - len(g)) for g in group], device=device)
+                lengths = torch.tensor([len(g) for g in group], device=device)
+                mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
+                low = min(len(prompts[i]) for i in range(start, stop)) - 1  # logits only where a token is predicted
+                logits = target(input_ids=ids, attention_mask=mask.long(),
+                                logits_to_keep=torch.arange(low, width, device=device)).logits
+                parts = [logits[i - start, len(prompts[i]) - 1 - low:len(prompts[i]) - 1 - low + len(conts[i - start])]
+                         for i in range(start, stop) if conts[i - start]]
+        yield start, stop, torch.cat(parts) if parts else None
         start = stop
-        if not rows:
+
+
+def conditionals(target, setting: dict, prompts, continuations, cell_counts: dict) -> Conditionals:
+    """The processed distribution at each continuation token of each sequence (prompt +
+    continuation), from which the probability of that token, the mass ranked ahead of it, and, at
+    the (sequence, position) keys of cell_counts, the node's cells for that many samples."""
+    import torch
+    out = Conditionals([None] * len(prompts), [None] * len(prompts), [], {})
+    order = sorted(range(len(prompts)), key=lambda i: tuple(prompts[i]))  # one prompt's sequences together
+    sorted_prompts = [prompts[i] for i in order]
+    sorted_conts = [continuations[i] for i in order]
+    for first, last, flat in _continuation_logits(target, sorted_prompts, sorted_conts):
+        if flat is None:
+            for k in range(first, last):
+                out.p[order[k]], out.before[order[k]] = np.zeros(0), np.zeros(0)
             continue
-        flat = logits[torch.tensor(rows, device=device), torch.tensor(at, device=device)]  # [N, V]
         probs = reference_probs(flat, setting["temperature"], setting["top_k"], setting["top_p"])
-        token = torch.tensor([x for i in range(stop - len(group), stop) for x in continuations[i]], device=device)
+        token = torch.tensor([x for k in range(first, last) for x in sorted_conts[k]], device=probs.device)
         p_x = probs.gather(-1, token[:, None])[:, 0]
-        index = torch.arange(probs.shape[-1], device=device)[None, :]
+        index = torch.arange(probs.shape[-1], device=probs.device)[None, :]
         ahead = (probs > p_x[:, None]) | ((probs == p_x[:, None]) & (index < token[:, None]))
         before = (probs * ahead).sum(-1).cpu().numpy()
         p_np = p_x.cpu().numpy()
         n = 0
-        for i in range(stop - len(group), stop):
-            length = len(continuations[i])
-            out.p[i], out.before[i] = p_np[n:n + length], before[n:n + length]
-            for t in range(length):
+        for k in range(first, last):
+            i, cont = order[k], sorted_conts[k]
+            out.p[i], out.before[i] = p_np[n:n + len(cont)], before[n:n + len(cont)]
+            for t in range(len(cont)):
                 if p_np[n + t] == 0:
                     wide = reference_probs(flat[n + t:n + t + 1], setting["temperature"], setting["top_k"],
-                                           setting["top_p"], SLACK)[0, continuations[i][t]]
+                                           setting["top_p"], SLACK)[0, cont[t]]
                     out.outside.append((i, t, bool(wide == 0)))
                 if (i, t) in cell_counts:
                     out.cells[(i, t)] = _cells(probs[n + t].cpu().numpy(), cell_counts[(i, t)])
-            n += length
+            n += len(cont)
     return out
 
 

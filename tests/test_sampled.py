@@ -68,6 +68,20 @@ def test_chi_square_tail():
     assert chi2_sf(0.0, 5) == 1.0 and chi2_sf(7.0, 0) == 1.0
 
 
+def test_prompt_cache_gives_the_logits_of_whole_sequences():
+    """The checker runs each prompt once and its continuations on a copy of its cache: the same
+    conditionals as a forward over every whole sequence (float64)."""
+    import specbatch.sampled as sampled
+    target = tiny("llama", seed=0)
+    prompts = [[5, 9, 2, 40], [5, 9, 2, 40], [7, 1], [5, 9, 2, 40]]
+    conts = [[3, 8, 8], [3], [11, 12, 13, 14], [60, 61]]
+    got = torch.cat([flat for _, _, flat in sampled._continuation_logits(target, prompts, conts)])
+    with torch.inference_mode():
+        want = torch.cat([target(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:len(p) - 1 + len(c)]
+                          for p, c in zip(prompts, conts)])
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-9, atol=1e-9)
+
+
 def test_node_ids_group_rows_by_request_and_prefix():
     tokens = np.array([[1, 2, 3], [1, 2, 4], [1, 5, 3], [1, 2, 3]])
     node = _node_ids(np.array([0, 0, 0, 1]), tokens, np.array([3, 3, 3, 3]), vocab=8)
