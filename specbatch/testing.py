@@ -15,7 +15,8 @@ below; wrap any other engine the same way.
   and sizes against target-only greedy decoding at batch 1, shrunk to a minimal failing case
   (fewest requests, shortest prompts), printed as a ready-to-paste pytest test.
 - The pytest plugin (registered as the `specbatch` entry point of `pytest11`) gives the fixtures
-  `specbatch_vectors` (a factory: vectors for a model, cached per session) and `check_engine`.
+  `specbatch_vectors` (a factory: vectors for a model, cached per session), `specbatch_check_engine`
+  and `specbatch_check_sampling` (sampled outputs against the target's distribution).
 """
 from __future__ import annotations
 
@@ -442,3 +443,39 @@ class _ContextLM(__import__("torch").nn.Module):
         elif logits_to_keep:
             context = context[:, -logits_to_keep:]
         return SimpleNamespace(logits=self.lm_head(self.embed(context)) + self.offset)
+
+
+# ---------------------------------------------------------------- pytest plugin
+
+def _plugin():
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def specbatch_vectors(tmp_path_factory):
+        """factory(model, tokenizer=None, **make_options) -> Vectors, made once per model per session."""
+        made: dict = {}
+
+        def factory(model, tokenizer=None, **options):
+            if id(model) not in made:
+                folder = tmp_path_factory.mktemp("specbatch-vectors")
+                make_vectors(model, folder, tokenizer=tokenizer, **options)
+                made[id(model)] = load_vectors(folder)
+            return made[id(model)]
+        return factory
+
+    @pytest.fixture()
+    def specbatch_check_engine():
+        """check_engine(generate_fn, vectors, ...) (specbatch.testing.check_engine)."""
+        return check_engine
+
+    @pytest.fixture()
+    def specbatch_check_sampling():
+        """check_sampling(sample_fn, vectors, target, ...) (specbatch.testing.check_sampling);
+        vectors: a folder, or specbatch.sampled.sampled_vectors(target) in memory."""
+        return check_sampling
+
+    return specbatch_vectors, specbatch_check_engine, specbatch_check_sampling
+
+
+specbatch_vectors, specbatch_check_engine, specbatch_check_sampling = (
+    _plugin() if __import__("importlib").util.find_spec("pytest") else (None, None, None))

@@ -202,6 +202,14 @@ def test_transformers_assisted_sampling_passes():
     assert report.conformant
 
 
+def test_the_pytest_fixture_judges_sampled_engines(specbatch_check_sampling):
+    target, draft = TOY
+    vectors = sampled_vectors(target, samples=32)
+    assert specbatch_check_sampling(sampling_engine(target, draft), vectors, target).conformant
+    with pytest.raises(ConformanceError):
+        specbatch_check_sampling(sampling_engine(target, draft, bug="slot-keyed"), vectors, target)
+
+
 def test_check_sampling_raises_with_the_table():
     target, draft = TOY
     with pytest.raises(ConformanceError, match="independence twin"):
