@@ -458,10 +458,11 @@ def _setting_statistics(target, setting, rows, got, rng) -> dict:
     sequence_of = np.array([unique.setdefault((tuple(r["token_ids"]), tuple(c)), len(unique))
                             for r, c in zip(rows, conts)], dtype=np.int64)
     big = np.flatnonzero(sizes >= NODE_MIN)
-    wanted = {}
+    wanted, node_at = {}, {}  # a tested node's first (sequence, position) -> its size, its id
     for b in big:
         i, t = np.argwhere((node == b) & valid)[0]
         wanted[(int(sequence_of[i]), int(t))] = int(sizes[b])
+        node_at[(int(sequence_of[i]), int(t))] = b
     keys = list(unique)
     cond = conditionals(target, setting, [k[0] for k in keys], [k[1] for k in keys], wanted)
     p = np.zeros(tokens.shape)
@@ -486,8 +487,7 @@ def _setting_statistics(target, setting, rows, got, rng) -> dict:
     tree_x2, tree_df = 0.0, 0
     for (u, t), n in wanted.items():
         cell_tokens, cell_probs = cond.cells[(u, t)]
-        i = int(np.flatnonzero(sequence_of == u)[0])
-        here = at_big & (node == node[i, t])
+        here = at_big & (node == node_at[(u, t)])
         seen = tokens[here]
         if not len(seen):  # every token here is outside the kept set (reported as violations)
             continue

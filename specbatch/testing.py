@@ -86,6 +86,15 @@ def cut_at_stop(tokens, budget: int, eos_token_ids) -> list:
     return tokens[:stop + 1] if stop is not None else tokens
 
 
+def _left_padded(group, pad_token_id: int, device):
+    """(ids [B, W] left-padded with pad_token_id, attention mask [B, W] from the prompts' lengths)."""
+    import torch
+    width = max(map(len, group))
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in group], device=device)
+    lengths = torch.tensor([len(p) for p in group], device=device)
+    return ids, torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
+
+
 def padded_batch_engine(target, pad_token_id: int, mask_from_pad: bool = False):
     """transformers' batched greedy `generate` with left padding: requests in batches of
     `batch_size`, each left-padded with `pad_token_id` to its longest prompt, run to its largest
@@ -102,11 +111,10 @@ def padded_batch_engine(target, pad_token_id: int, mask_from_pad: bool = False):
         out, device = [], next(target.parameters()).device
         for start in range(0, len(prompts), batch_size):
             group, budgets = prompts[start:start + batch_size], max_new_tokens[start:start + batch_size]
-            width = max(map(len, group))
-            ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in group], device=device)
-            lengths = torch.tensor([len(p) for p in group], device=device)
-            mask = (ids != pad_token_id) if mask_from_pad else \
-                torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
+            ids, mask = _left_padded(group, pad_token_id, device)
+            width = ids.shape[1]
+            if mask_from_pad:
+                mask = ids != pad_token_id
             with torch.no_grad():
                 gen = target.generate(ids, attention_mask=mask.long(), max_new_tokens=max(budgets),
                                       min_new_tokens=max(budgets), do_sample=False, eos_token_id=None,
@@ -319,10 +327,8 @@ def hf_sampling_engine(target, draft=None, num_assistant_tokens: int = 4):
             return out
         for start in range(0, len(prompts), batch_size):
             group, budgets = prompts[start:start + batch_size], max_new_tokens[start:start + batch_size]
-            width = max(map(len, group))
-            ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in group], device=device)
-            lengths = torch.tensor([len(p) for p in group], device=device)
-            mask = torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
+            ids, mask = _left_padded(group, 0, device)
+            width = ids.shape[1]
             torch.manual_seed(seeds[start])
             gen = run(ids, mask.long(), max(budgets), eos_token_ids, kw)
             out += [cut_at_stop(row[width:].tolist(), b, eos_token_ids) for row, b in zip(gen, budgets)]
