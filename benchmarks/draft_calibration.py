@@ -1,6 +1,6 @@
 """How often a draft's proposal is accepted, by the draft's confidence (the proposal rule's input).
 
-Runs specbatch.generate with every row drafting its whole limit (threshold 0, no controller), writes
+Runs specbatch.generate with every row drafting its whole limit (policy fixed), writes
 a round trace, and counts, for each proposal whose earlier proposals were all accepted, whether the
 target accepted it, in bins of the draft's confidence at that step. A calibrated draft accepts about
 as often as it is confident; the bins show where a threshold stops wasting verify tokens and draft
@@ -59,7 +59,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 @contextmanager
 def drafting_trace(args):
-    """Run generate with threshold 0 and no controller, tracing every round: yields (target, the
+    """Run generate with policy fixed, tracing every round: yields (target, the
     trace's path, the encoded prompts); the trace is removed afterwards."""
     from specbatch import generate
     from specbatch.bench import select_prompts
@@ -72,7 +72,7 @@ def drafting_trace(args):
     with tempfile.TemporaryDirectory() as folder:
         trace = Path(folder) / "trace.jsonl"
         generate(target, draft, ids, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                 num_draft_tokens=args.num_draft_tokens, draft_threshold=0.0, adaptive=False, trace=trace)
+                 num_draft_tokens=args.num_draft_tokens, policy="fixed", trace=trace)
         yield target, trace, ids
 
 

@@ -118,15 +118,15 @@ def verify_widths(target, device, widths, new_tokens: int) -> dict:
             result = specbatch.generate(target, None, prompt, **options)
         else:
             result = specbatch.generate(target, ScriptedDraft(target, never), prompt, num_draft_tokens=width - 1,
-                                        draft_threshold=0.0, adaptive=False, **options)
+                                        policy="fixed", **options)
         out[width] = result.stats["time_verify"] / result.stats["rounds"]
     return out
 
 
 def speculative(target, draft, prompts, new_tokens: int, plain, k: int) -> dict:
     import specbatch
-    # a random draft's confidences mean nothing: every row proposes k tokens (no threshold, no controller)
-    options = dict(batch_size=len(prompts), strategy="ragged", num_draft_tokens=k, draft_threshold=0.0, adaptive=False)
+    # a random draft's confidences mean nothing: every row proposes k tokens (policy fixed)
+    options = dict(batch_size=len(prompts), strategy="ragged", num_draft_tokens=k, policy="fixed")
     specbatch.generate(target, draft, prompts, max_new_tokens=4, **options)
     result = specbatch.generate(target, draft, prompts, max_new_tokens=new_tokens, **options)
     exact = sum(a == b for a, b in zip(result.sequences, plain.sequences))

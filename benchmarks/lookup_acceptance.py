@@ -1,6 +1,6 @@
 """How often prompt-lookup proposals are accepted, by the length of the match behind them.
 
-Runs specbatch.generate with every row drafting its whole limit (threshold 0, no controller; a
+Runs specbatch.generate with every row drafting its whole limit (policy fixed; a
 lookup-first draft then proposes the lookup's token wherever 2+ tokens match, with confidence 1),
 writes a round trace, and for every proposal of confidence >= 0.99 whose earlier proposals were all
 accepted finds the longest n (up to 8) for which the row's last n tokens occurred earlier in its

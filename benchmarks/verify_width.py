@@ -1,7 +1,7 @@
 """What one more verified token per row costs: the verify forward's seconds against its width.
 
-A scripted draft that proposes the target's own greedy continuation (every proposal accepted, no
-confidence threshold, no controller) makes every round verify k + 1 tokens per row; the mean verify
+A scripted draft that proposes the target's own greedy continuation (every proposal accepted,
+policy fixed) makes every round verify k + 1 tokens per row; the mean verify
 seconds per round at k = 0 (a plain target step), 1, 2, ... show how the forward's cost grows with
 the tokens it verifies at this batch size (the draft's own cost is not counted).
 
@@ -52,7 +52,7 @@ def main() -> None:
         kernels.PADDED_ROWS = machine if padding is None else padded_rows if padding else {}
         options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
         if k:
-            result = generate(target, draft, ids, num_draft_tokens=k, draft_threshold=0.0, adaptive=False, **options)
+            result = generate(target, draft, ids, num_draft_tokens=k, policy="fixed", **options)
         else:
             result = generate(target, None, ids, **options)
         per_round = 1000 * result.stats["time_verify"] / result.stats["rounds"]

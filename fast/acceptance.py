@@ -37,7 +37,7 @@ def simulate_rounds(draft, prompt: list[int], answer: list[int], k: int, thresho
     """(tokens, rounds) of greedy speculative decoding of `prompt` when the target's greedy answer is
     known: the draft proposes from the true prefix (while its confidence is >= threshold, and the
     token it stops at if that confidence is >= floor: the proposal rule of fast.proposals without
-    the cost controller; floor None: threshold), leading matches are accepted, one
+    a cost-priced policy; floor None: threshold), leading matches are accepted, one
     target token follows; only the draft runs (batch 1, its cache cropped after each round). As in
     the engine, the first round drafts right after the prompt, and a round drafts at most
     remaining - 1 tokens."""

@@ -15,7 +15,8 @@ from ..invariants import (TraceWriter, check_kv, check_mask, check_positions, ch
 from .backend import CHOICES, Backend
 from .cache import layout_index, rect_inputs
 from .models import ModelRunner
-from .proposals import DraftController, proposal_lengths
+from .policy import RoundInfo, RoundOutcome
+from .proposals import ThresholdRule
 from .sampling import Greedy
 from .verify import committed_lists
 
@@ -63,15 +64,14 @@ class Settings:
     trace: TraceWriter | None = None
     chooser: object = field(default_factory=Greedy)  # fast.sampling: Greedy, Rejection or Coupled
     arrivals: Arrivals | None = None  # when requests become available (None: all at once)
-    threshold: float = 0.0  # fast.proposals: a row stops drafting below this confidence (0: never)
-    floor: float | None = None  # ... and proposes the step it stops at if its confidence is >= floor (None: never)
-    controller: DraftController | None = None  # the round's cap (None: k)
+    policy: object = None  # fast.policy: FixedK, Threshold or Goodput (None: every row drafts its limit)
     flat_verify: bool = True  # ragged: verify each row's own proposals in one flat forward
     backend: Backend = field(default_factory=lambda: CHOICES["cpu"])  # the device's speed choices (fast.backend)
 
     @property
-    def proposal_floor(self) -> float:
-        return self.threshold if self.floor is None else self.floor
+    def reads_confidence(self) -> bool:
+        """Whether rows stop drafting on their draft's confidence (fast.policy: not FixedK)."""
+        return self.policy is not None and self.policy.reads_confidence
 
     @property
     def eos(self) -> torch.Tensor:
@@ -141,7 +141,7 @@ class Clock:
 
     def __init__(self, stats: Stats, device: torch.device):
         self.stats, self.cuda = stats, device.type == "cuda"
-        self.last: dict = {}  # the latest duration of each phase (the proposal controller reads them)
+        self.last: dict = {}  # the latest duration of each phase (the proposal policy reads them)
 
     @contextmanager
     def __call__(self, name: str):
@@ -159,21 +159,23 @@ class Clock:
 class Proposals:
     """One round's drafting: drafted [R, steps] (tokens of every step run; a row's proposals are its
     first `proposed` ones, the rest are never accepted), q [R, steps, V] for rejection sampling, the
-    confidences [R, steps] the rule saw, each row's limit min(k, remaining - 1, cap) and cap, the
-    steps run and how many of them ran the draft model (the first `model_steps`; the others were
-    lookup steps, see draft_round), and the round's floor (fast.proposals: the run's, or the
-    threshold where the controller switched it off)."""
+    confidences [R, steps] the rule saw (and their host copy where the rule read them), the rule
+    (fast.proposals; its `limit` [R] as the round left it), the steps run and how many of them ran
+    the draft model (the first `model_steps`; the others were lookup steps, see draft_round)."""
 
     drafted: torch.Tensor
     q: torch.Tensor | None
     confidence: torch.Tensor | None
     proposed: np.ndarray
-    limit: np.ndarray
-    caps: np.ndarray
+    rule: object
     steps: int
     model_steps: int
     lookup_rows: np.ndarray  # rows that drafted by prompt lookup alone
-    floor: float = 0.0
+    host_confidence: np.ndarray | None = None  # [R, steps] float64, where the rule read confidences
+
+    @property
+    def limit(self) -> np.ndarray:
+        return self.rule.limit
 
     @property
     def width(self) -> int:
@@ -183,44 +185,44 @@ class Proposals:
 
 def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, content, device,
                 lookup_step=None, remaining=None, waiting: bool = True) -> Proposals:
-    """Run the draft step by step and apply the proposal rule (fast.proposals) to each row.
+    """Run the draft step by step and apply the round's proposal rule (fast.proposals, chosen by
+    the policy, fast.policy) to each row.
 
     step_forward(step, ids, needed) -> the draft's logits [R, V] at each row's last query (or
     SubsetLogits, fast.reduced_head); ids is None at step 0 (the engine feeds each row's pending
     tokens), then the previous proposals [R, 1]; needed [R] (host bools): the rows whose logits
     this step are read, the model rows still drafting (a draft whose rows are independent computes
-    only those: fast.feature_draft's head; every other row's logits are never read, since a row
-    that stops drafting never resumes in the round and a lookup row takes the lookup's token).
-    clamp: each row's min(k, remaining - 1). Drafting stops as soon as no row proposes. remaining
-    (each row's tokens left) and waiting (whether requests wait for a row) tell the controller what
-    a token saves (DraftController.token_values).
+    only those; every other row's logits are never read, since a row that stops drafting never
+    resumes in the round and a lookup row takes the lookup's token). clamp: each row's min(k,
+    remaining - 1). Drafting stops as soon as no row goes on. remaining (each row's tokens left) and
+    waiting (whether requests wait for a slot) tell the policy what a token is worth.
 
     lookup_step(step, ids) -> fast.lookup_draft.LookupStep, for a lookup-first draft
     (fast.lookup_draft.LookupFirstDraft): its prompt lookup over each row's content and proposals so
-    far (a proposal where an n-gram of at least its min_match tokens matched). A row
-    whose lookup matches at step 0 is a lookup row: it drafts this round by lookup alone and stops
-    where the chain of matches breaks (a function of its own content, like any draft). The model then
-    runs only while some other row still drafts; a round of lookup rows alone runs no model at all,
-    and the model's cache catches up on the next round that runs it (its pending tokens). Where the
+    far (a proposal where an n-gram of at least its min_match tokens matched). A row whose lookup
+    matches at step 0 is a lookup row: it drafts this round by lookup alone and stops where the
+    chain of matches breaks (a function of its own content, like any draft). The model then runs
+    only while some other row still drafts; a round of lookup rows alone runs no model at all, and
+    the model's cache catches up on the next round that runs it (its pending tokens). Where the
     lookup matches in a model row's later step, the lookup's token is that row's proposal too: the
     lookup-first draft's own rule, so the engine runs that draft with engine_lookup=True (one lookup
     a step)."""
-    caps, lookup_caps = (settings.controller.row_caps(requests.tolist(), clamp, remaining, waiting)
-                         if settings.controller else (np.asarray(clamp), np.asarray(clamp)))
-    limit = np.minimum(clamp, caps)
+    clamp = np.asarray(clamp, dtype=np.int64)
     rows = len(clamp)
-    floor = (settings.controller.round_floor(rows, settings.proposal_floor, settings.threshold)
-             if settings.controller else settings.proposal_floor)
-    steps, dists, confidences = [], [], []
-    active, proposed = limit > 0, np.zeros(rows, dtype=np.int64)
+    if settings.policy is None:
+        rule = ThresholdRule(clamp)
+    else:
+        remaining_host = None if remaining is None else np.asarray(remaining)
+        rule = settings.policy.plan(RoundInfo(np.asarray(requests.tolist()), clamp, remaining_host, waiting))
+    steps, dists, confidences, host = [], [], [], []
+    active, proposed = rule.limit > 0, np.zeros(rows, dtype=np.int64)
     ids, lookup_rows, model_steps = None, np.zeros(rows, dtype=bool), 0
-    for step in range(int(np.minimum(clamp, np.maximum(caps, lookup_caps)).max()) if rows else 0):
+    for step in range(int(rule.limit.max(initial=0))):
         found = lookup_step(step, ids) if lookup_step is not None else None
-        if found is not None and step == 0:  # one small host copy: which rows draft by lookup
-            lookup_rows = (found.matched > 0).cpu().numpy()
-            caps = np.where(lookup_rows, lookup_caps, caps)
-            limit = np.minimum(clamp, caps)
-            active = limit > 0
+        if step == 0:  # one small host copy: which rows draft by lookup
+            if found is not None:
+                lookup_rows = (found.matched > 0).cpu().numpy()
+            active = rule.begin(~lookup_rows)
             if not active.any():
                 break
         needed = active & ~lookup_rows
@@ -240,39 +242,36 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         steps.append(ids)
         dists.append(dist)
         confidences.append(confidence)
-        active &= step < limit
-        if settings.threshold > 0:  # one small host copy per step: which rows propose, and which go on
-            host = confidence.double().cpu().numpy()  # compared as the checker (I7) compares
-            proposed += active & (host >= floor)
-            active &= host >= settings.threshold
-        else:
-            proposed += active
+        seen = None
+        if rule.needs_confidence:  # one small host copy per step: which rows propose, and which go on
+            seen = confidence.double().cpu().numpy()  # compared as the checker (I7) compares
+            host.append(seen)
+        proposes, active = rule.step(step, seen, active)
+        proposed += proposes
         if not active.any():
             break
     drafted = torch.cat(steps, dim=1) if steps else torch.zeros(rows, 0, dtype=torch.long, device=device)
     q = torch.stack(dists, dim=1) if steps and settings.chooser.needs_q else None
     confidence = torch.stack(confidences, dim=1) if steps else None
-    return Proposals(drafted, q, confidence, proposed, limit, np.asarray(caps), len(steps), model_steps,
-                     lookup_rows, floor)
+    host_confidence = np.stack(host, axis=1) if host else None
+    return Proposals(drafted, q, confidence, proposed, rule, len(steps), model_steps, lookup_rows, host_confidence)
 
 
 def record_round(settings: Settings, clock, requests, proposals: Proposals, accepted, verify_tokens: int) -> None:
-    """Tell the controller (if any) what the round proposed, accepted and cost."""
-    if settings.controller is None:
+    """Tell the policy (if any) what the round proposed, accepted and cost."""
+    if settings.policy is None:
         return
-    settings.controller.record(requests, proposals.proposed, accepted, proposals.proposed >= proposals.limit,
-                               len(proposals.proposed), proposals.model_steps, clock.last.get("time_draft", 0.0),
-                               verify_tokens, clock.last.get("time_verify", 0.0), limit=proposals.limit,
-                               model_rows=~proposals.lookup_rows)
+    settings.policy.record(RoundOutcome(np.asarray(requests), proposals.proposed, np.asarray(accepted),
+                                        proposals.host_confidence, proposals.model_steps,
+                                        clock.last.get("time_draft", 0.0), verify_tokens,
+                                        clock.last.get("time_verify", 0.0)))
 
 
 def check_proposals(settings: Settings, proposals: Proposals) -> list:
     """I7: every row's proposal length is the rule's, from its own confidences and limit."""
-    from ..invariants import check_proposal_lengths
     confidence = (proposals.confidence.float().cpu().numpy() if proposals.confidence is not None
                   else np.zeros((len(proposals.limit), 0)))
-    return check_proposal_lengths(proposals.proposed, confidence, proposals.limit, settings.threshold,
-                                  proposals.floor)
+    return proposals.rule.check(proposals.proposed, confidence)
 
 
 def check_rect_forward(pad_len: torch.Tensor, first_col: int, position_ids, mask, window) -> list:
@@ -345,7 +344,8 @@ def observe_round(settings: Settings, found: list, round_index: int, rows: dict,
             pad_len=int(rows["pad_len"][i]), content_len=int(rows["content_len"][i]),
             positions=[int(x) for x in queries[i][0]], mask=mask_strings(queries[i][1]),
             drafted=drafted[i, :p[i]].tolist(), target_argmax=host_choice[i, :p[i] + 1].tolist(),
-            draft_limit=int(p[i]), cap=int(proposals.caps[i]), limit=int(proposals.limit[i]), floor=proposals.floor,
+            draft_limit=int(p[i]), cap=int(proposals.limit[i]), limit=int(proposals.limit[i]),
+            **proposals.rule.fields(i),
             draft_confidence=[float(c) for c in confidence[i]], accepted=int(accepted[i]),
             committed=list(committed[i]), finished=bool(finished[i])) for i in range(len(p))])
 

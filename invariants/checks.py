@@ -138,6 +138,27 @@ def check_proposal_lengths(proposed, confidence, limit, threshold: float, floor:
     return out
 
 
+def check_goodput_lengths(proposed, confidence, limit, worth, calibration, bar: float) -> list[Violation]:
+    """I7 for the goodput rule (fast.proposals.GoodputRule): row i proposed exactly the leading
+    steps j < limit_i at which worth_i * prod_{j' <= j} min(calibration_i * confidence_ij', 1) >= bar,
+    from its own confidences, worth and calibration and the round's bar."""
+    proposed, limit = as_numpy(proposed).astype(int), as_numpy(limit).astype(int)
+    confidence = as_numpy(confidence).astype(float).reshape(len(proposed), -1)
+    out = []
+    for i in range(len(proposed)):
+        want, reach = 0, 1.0
+        while want < min(limit[i], confidence.shape[1]):
+            reach *= min(float(calibration[i]) * confidence[i, want], 1.0)
+            if float(worth[i]) * reach < bar:
+                break
+            want += 1
+        if proposed[i] != want:
+            out.append(Violation("I7", "proposal length is not the goodput rule's (own confidences, worth, "
+                                       "calibration, limit; the round's bar)",
+                                 row=i, index=want, expected=want, actual=int(proposed[i])))
+    return out
+
+
 def check_round_commit(drafted, choice, limit, accepted, committed, remaining, eos_ids) -> list[Violation]:
     """I5 and I6 for one greedy round, row by row.
 

@@ -12,10 +12,10 @@ A trace is JSONL:
    (0 for ragged), content_len (before the commit), positions (position ids of the row's own verify
    queries, p + 1 of them), mask (one string of '0'/'1' per such query over the KV slots), drafted
    (the row's p proposals), target_argmax (p + 1 ints), draft_limit (p, the row's proposal length),
-   cap (the row's cap this round: k, or lower from the cost controller), limit (min(k,
-   remaining - 1, cap)), floor (optional, the round's floor: the header's draft_floor, or up to
-   draft_threshold where a cost controller switched it off), draft_confidence (the draft's
-   confidence at each step run),
+   cap (optional: at most k), limit (min(k, remaining - 1, cap): the most the row could propose),
+   draft_confidence (the draft's confidence at each step run), and the row's proposal rule
+   (fast.proposals): either floor (optional, the threshold rule: the header's draft_floor, between
+   it and draft_threshold) or worth, calibration and bar (the goodput rule),
    accepted, committed (the tokens committed this round), finished (bool).
 3. last line: {"results": [{"request": id, "tokens": [int], "stop_reason": "eos" | "length"}]}
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .checks import (check_alignment, check_mask, check_positions, check_proposal_lengths, check_round_commit,
-                     check_stop)
+from .checks import (check_alignment, check_goodput_lengths, check_mask, check_positions, check_proposal_lengths,
+                     check_round_commit, check_stop)
 from .violations import Violation
 from ..io import InputError, check_input_file, loads_strict, open_for_writing
 
@@ -191,8 +191,12 @@ def validate_schema(path, header: dict, rounds: list, results: dict | None) -> N
             raise TraceError(f"{where}: field 'rows' must be a list of rows")
         for i, row in enumerate(rnd["rows"]):
             _require_object(row, {**ROW_FIELDS, **(ROW_FIELDS_V2 if v2 else {})}, f"{where}, row {i}")
-            if "floor" in row and not _number(row["floor"]):
-                raise TraceError(f"{where}, row {i}: field 'floor' must be a number, got {row['floor']!r}")
+            for name in ("floor", "worth", "calibration", "bar"):
+                if name in row and not _number(row[name]):
+                    raise TraceError(f"{where}, row {i}: field '{name}' must be a number, got {row[name]!r}")
+            if "bar" in row and not all(_number(row.get(name)) for name in ("worth", "calibration")):
+                raise TraceError(f"{where}, row {i}: a row with 'bar' (the goodput rule) needs numbers 'worth' and "
+                                 "'calibration'")
             if not 0 <= row["request"] < header["num_requests"]:
                 raise TraceError(f"{where}, row {i}: field 'request' is {row['request']}, not a request of the "
                                  f"header's {header['num_requests']}")
@@ -230,14 +234,18 @@ def _check_row(header: dict, row: dict) -> list[Violation]:
         if int(row["limit"]) != max(limit, 0):
             out.append(Violation("I7", "the row's limit is not min(k, remaining - 1, cap)", expected=max(limit, 0),
                                  actual=int(row["limit"])))
-        threshold = float(header.get("draft_threshold", 0.0))
-        run_floor = float(header.get("draft_floor", threshold))
-        floor = float(row.get("floor", run_floor))
-        if not min(run_floor, threshold) <= floor <= max(run_floor, threshold):
-            out.append(Violation("I7", "the row's floor is not between the run's draft_floor and draft_threshold",
-                                 expected=f"[{run_floor}, {threshold}]", actual=floor))
-        out += check_proposal_lengths([row["draft_limit"]], [row["draft_confidence"]], [max(limit, 0)], threshold,
-                                      floor)
+        if "bar" in row:  # the goodput rule: the row's worth and calibration, the round's bar
+            out += check_goodput_lengths([row["draft_limit"]], [row["draft_confidence"]], [max(limit, 0)],
+                                         [row["worth"]], [row["calibration"]], float(row["bar"]))
+        else:
+            threshold = float(header.get("draft_threshold", 0.0))
+            run_floor = float(header.get("draft_floor", threshold))
+            floor = float(row.get("floor", run_floor))
+            if not min(run_floor, threshold) <= floor <= max(run_floor, threshold):
+                out.append(Violation("I7", "the row's floor is not between the run's draft_floor and draft_threshold",
+                                     expected=f"[{run_floor}, {threshold}]", actual=floor))
+            out += check_proposal_lengths([row["draft_limit"]], [row["draft_confidence"]], [max(limit, 0)],
+                                          threshold, floor)
         if len(row["drafted"]) != int(row["draft_limit"]) or len(row["positions"]) != int(row["draft_limit"]) + 1:
             out.append(Violation("I7", "the row's drafts or verify queries are not its proposal length",
                                  expected=int(row["draft_limit"]), actual=len(row["drafted"])))

@@ -10,7 +10,7 @@ import torch
 from .fast.attention import engine_attention
 from .fast.backend import for_device
 from .fast.kernels import compiled_blocks, prepacked_linears
-from .fast.proposals import DraftController
+from .fast.policy import PolicySettings, make_policy
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
@@ -55,7 +55,7 @@ def generate(target, draft, prompts, options: GenerateOptions | None = None, *, 
     back in input order.
     options / settings: how to decode, a `specbatch.GenerateOptions` and any of its fields by keyword
     (strategy, num_draft_tokens, batch_size, max_new_tokens (int, or one per prompt), draft_threshold,
-    draft_floor, adaptive, temperature, top_k, top_p, sampling, seed (int, or one per prompt),
+    draft_floor, policy, temperature, top_k, top_p, sampling, seed (int, or one per prompt),
     prepack, compile, max_wait, pool_window); a keyword wins over `options`, and what neither
     gives comes from `specbatch.options.defaults()`. docs/api.md describes each field.
     eos_token_id: int or list; default: every id in target.generation_config.eos_token_id.
@@ -145,9 +145,9 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     writer = None
     threshold = float(opts.draft_threshold) if k else 0.0
     floor = min(float(opts.draft_floor), threshold)
-    adaptive = opts.adaptive
-    if adaptive is None:
-        adaptive = not (temperature and sampling == "rejection")
+    policy = opts.policy or ("threshold" if temperature and sampling == "rejection" else "goodput")
+    if policy == "fixed":
+        threshold = floor = 0.0
     if trace is not None:
         writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy,
                              eos_token_ids=eos_ids, max_new_tokens=max_new, num_requests=len(ids), window=window,
@@ -157,7 +157,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
                         pad_id=int(pad_id), check=check_invariants, trace=writer,
                         chooser=make_chooser(temperature, top_k, top_p, seed, sampling, len(ids), device,
                                              request_ids),
-                        threshold=threshold, floor=floor, controller=DraftController(k, bool(adaptive)) if k else None,
+                        policy=make_policy(PolicySettings(policy, k, threshold, floor)),
                         backend=backend)
     target_runner = ModelRunner(target)
     draft_runner = ModelRunner(draft) if draft is not None else None

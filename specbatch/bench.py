@@ -79,7 +79,7 @@ def run_method(method, batch, target, draft, ids, opts: GenerateOptions, eos_ids
         from .api import generate_variant
         fields = {name: getattr(run, name) for name in GenerateOptions.names() if name not in ("strategy",)}
         result = generate_variant(target, draft, ids, variant=method, progress=True,
-                                  **{**fields, "draft_threshold": 0.0, "draft_floor": 0.0, "adaptive": False})
+                                  **{**fields, "policy": "fixed"})
     else:
         result = specbatch.generate(target, None if method == "ar" else draft, ids, run, progress=True)
     return result.sequences, result.stats
@@ -238,7 +238,7 @@ def peer_table(rows, ours) -> str:
 
 
 def arrival_bench(target, draft, ids, args, opts: GenerateOptions, batch: int, methods) -> list[dict]:
-    """Poisson arrivals (rate --arrival-rate, seed 0): request latency percentiles and throughput."""
+    """Poisson arrivals (rate --arrival-rate, seed 0): request latency (mean and percentiles) and throughput."""
     import numpy as np
 
     import specbatch
@@ -251,17 +251,17 @@ def arrival_bench(target, draft, ids, args, opts: GenerateOptions, batch: int, m
         result = specbatch.generate(target, None if method == "ar" else draft, ids, run, arrivals=list(arrivals),
                                     progress=True)
         latency = np.array([r["latency"] for r in result.request_stats])
-        rows.append(dict(method=method, batch=batch, p50=float(np.percentile(latency, 50)),
+        rows.append(dict(method=method, batch=batch, mean=float(latency.mean()), p50=float(np.percentile(latency, 50)),
                          p90=float(np.percentile(latency, 90)), p99=float(np.percentile(latency, 99)),
                          tokens_per_second=result.stats["tokens_per_second"]))
     return rows
 
 
 def arrival_table(rows, rate) -> str:
-    lines = [f"Poisson arrivals at {rate} requests/s:", "", "| method | batch | P50 latency s | P90 s | P99 s | tokens/s |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['batch']} | {r['p50']:.2f} | {r['p90']:.2f} | {r['p99']:.2f} | "
-              f"{r['tokens_per_second']:.1f} |" for r in rows]
+    lines = [f"Poisson arrivals at {rate} requests/s:", "",
+             "| method | batch | mean latency s | P50 s | P90 s | P99 s | tokens/s |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['batch']} | {r.get('mean', float('nan')):.2f} | {r['p50']:.2f} | {r['p90']:.2f} | "
+              f"{r['p99']:.2f} | {r['tokens_per_second']:.1f} |" for r in rows]
     return "\n".join(lines)
 
 

@@ -388,6 +388,7 @@ FLAGS = {
     "max_new_tokens": dict(type=positive_int),
     "draft_threshold": dict(type=probability),
     "draft_floor": dict(type=probability),
+    "policy": dict(choices=("goodput", "threshold", "fixed")),
     "temperature": dict(type=checked(check_temperature, "float")),
     "top_k": dict(type=positive_int),
     "top_p": dict(type=checked(check_top_p, "float")),
@@ -417,10 +418,10 @@ def add_options(p, names, command=None):
 
 def options_from_args(args, command=None) -> tuple[GenerateOptions, dict]:
     """(GenerateOptions, the fields the user gave): the flags given over the defaults in force for
-    `command`; --fixed-k is draft_threshold 0 without the controller."""
+    `command`; --fixed-k is --policy fixed."""
     given = {name: getattr(args, name) for name in GenerateOptions.names() if getattr(args, name, None) is not None}
     if getattr(args, "fixed_k", False):
-        given.update(draft_threshold=0.0, adaptive=False)
+        given.update(policy="fixed")
     opts = dataclasses.replace(defaults(command), **given)
     if "draft_floor" not in given and opts.draft_floor > opts.draft_threshold:
         opts = dataclasses.replace(opts, draft_floor=opts.draft_threshold)  # the default floor follows a lower threshold
@@ -428,9 +429,9 @@ def options_from_args(args, command=None) -> tuple[GenerateOptions, dict]:
 
 
 def add_proposal_args(p):
-    add_options(p, ("draft_threshold", "draft_floor"))
-    p.add_argument("--fixed-k", action="store_true", help="every row drafts --num-draft-tokens every round (no "
-                   "confidence threshold, no cost-aware controller)")
+    add_options(p, ("policy", "draft_threshold", "draft_floor"))
+    p.add_argument("--fixed-k", action="store_true", help="every row drafts --num-draft-tokens every round "
+                   "(--policy fixed)")
 
 
 def add_decoding_args(p):

@@ -37,8 +37,9 @@ class GenerateOptions:
                                           "most likely next token) falls below this; 0: never")
     draft_floor: float = _option(0.2, "the step that stops a row still proposes its token if the confidence is "
                                       "at least this (at most the threshold; equal to it: never)")
-    adaptive: bool | None = _option(None, "cap each row's proposals from measured step costs (fast.proposals); "
-                                          "None: on, except under rejection sampling")
+    policy: str | None = _option(None, "how far rows draft (fast.policy): goodput (priced from measured costs), "
+                                       "threshold (draft_threshold and draft_floor) or fixed (k every round); "
+                                       "None: goodput, except threshold under rejection sampling")
     temperature: float = _option(0.0, "0: greedy decoding; above 0: sample")
     top_k: int | None = _option(None, "sample among the k most likely tokens (None: all)")
     top_p: float | None = _option(None, "sample from the smallest set of probability at least p (None: all)")
@@ -168,8 +169,8 @@ def check_options(o: GenerateOptions, num_prompts: int, floor_chosen: bool = Tru
             raise OptionError(f"draft_floor must be <= draft_threshold ({o.draft_threshold:g}): it says whether the "
                               f"step that stops a row still proposes; got {o.draft_floor!r}")
         o = dataclasses.replace(o, draft_floor=o.draft_threshold)
-    if o.adaptive not in (None, True, False):
-        raise OptionError(f"adaptive must be True, False or None, got {o.adaptive!r}")
+    if o.policy not in (None, "goodput", "threshold", "fixed"):
+        raise OptionError(f"policy must be goodput, threshold or fixed, got {o.policy!r}")
     check_temperature(o.temperature)
     if o.top_k is not None:
         check_top_k(o.top_k)

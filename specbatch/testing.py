@@ -49,7 +49,7 @@ def broken_engine(target, draft, variant: str, num_draft_tokens: int = 4):
     def generate_fn(prompts, max_new_tokens, eos_token_ids, batch_size):
         return generate_variant(target, draft, prompts, variant=variant, max_new_tokens=list(max_new_tokens),
                                 batch_size=batch_size, eos_token_id=list(eos_token_ids),
-                                num_draft_tokens=num_draft_tokens, draft_threshold=0.0, adaptive=False).sequences
+                                num_draft_tokens=num_draft_tokens, policy="fixed").sequences
     return generate_fn
 
 

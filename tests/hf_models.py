@@ -89,8 +89,8 @@ def oracle(model, prompts, max_new_tokens, eos_ids):
 
 
 # Speculative decoding with every row drafting its whole limit every round (no confidence threshold,
-# no cost controller): what tests of the drafting, verifying and cache machinery need to exercise it.
-FIXED_K = dict(draft_threshold=0.0, adaptive=False)
+# no cost-priced policy): what tests of the drafting, verifying and cache machinery need to exercise it.
+FIXED_K = dict(policy="fixed")
 
 
 # ---------------------------------------------------------------- model folders for the CLI

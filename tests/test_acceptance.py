@@ -24,6 +24,7 @@ def test_replayed_rounds_equal_the_engine_rounds(k, lookup, threshold, floor):
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
     prompts[1] = prompts[1][:8] * 2 + prompts[1][8:]  # something to look up
     result = specbatch.generate(target, draft, prompts, max_new_tokens=20, num_draft_tokens=k, batch_size=2,
-                                strategy="ragged", eos_token_id=[], draft_threshold=threshold, draft_floor=floor, adaptive=False)
+                                strategy="ragged", eos_token_id=[], draft_threshold=threshold, draft_floor=floor,
+                                policy="threshold")
     replayed = [simulate_rounds(draft, p, a, k, threshold, floor) for p, a in zip(prompts, result.sequences)]
     assert replayed == [(len(a), r["rounds"]) for a, r in zip(result.sequences, result.request_stats)]

@@ -136,7 +136,7 @@ def test_broken_variants_are_flagged_with_a_shrunk_counterexample(target, vector
     exec(code, namespace)
     with pytest.raises(AssertionError):
         namespace["test_specbatch_counterexample"]()
-    ours = specbatch_engine(target, draft, "ragged", draft_threshold=0.0, adaptive=False)
+    ours = specbatch_engine(target, draft, "ragged", draft_threshold=0.0, policy="threshold")
     assert ours(found.prompts, found.max_new_tokens, found.eos_token_ids, found.batch_size) == found.expected
 
 

@@ -40,8 +40,8 @@ def drafts(arch):
                                                          arch=sorted(ARCHS), strategy=STRATEGIES,
                                                          mode=["fixed", "adaptive"]))
 def test_equals_transformers_greedy_float64(arch, draft, strategy, mode):
-    """fixed: every row drafts its whole limit; adaptive: the defaults (confidence threshold, cost
-    controller), with a scripted confidence so that rows do stop at different steps."""
+    """fixed: every row drafts its whole limit; adaptive: the defaults (the goodput policy, priced
+    from measured costs), with a scripted confidence so that rows do stop at different steps."""
     target = tiny(arch)
     eos = eos_mid_generation(target, PROMPTS)
     budgets = [12, 1, 9, 16, 5, 12]

@@ -10,6 +10,8 @@ import torch
 from transformers import DynamicCache
 
 import specbatch
+from specbatch.fast.policy import Goodput
+from specbatch.fast.proposals import GoodputRule
 from specbatch.fast.engine import Settings, Stats
 from specbatch.fast.feature_draft import (FeatureBuffer, FeatureDraft, FeatureDraftNet, FeatureHeadNet,
                                           draft_pending_after_features, feature_draft_config, feature_head_config)
@@ -124,8 +126,8 @@ def test_the_feature_head_computes_a_subset_of_rows_as_the_whole_batch_does():
 
 @pytest.mark.parametrize("kind", sorted(DRAFTS))
 @pytest.mark.parametrize("batch_size,lookup", [(1, False), (3, False), (3, True)])
-def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true_features(tmp_path, batch_size, kind,
-                                                                                        lookup):
+def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true_features(tmp_path, monkeypatch,
+                                                                                        batch_size, kind, lookup):
     """Every proposal in the trace equals what the draft computes from scratch: the target's features
     of the row's content (a fresh forward), the draft over the content with f_{j-1} at index j, then
     over each earlier proposal with its own estimate (the conditioned draft: zero). Stale K/V from
@@ -137,8 +139,15 @@ def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true
     draft = DRAFTS[kind](target, 2)
     draft = LookupFirstDraft(draft) if lookup else draft
     max_new = [14, 9, 17, 6, 12]
-    options = dict(draft_threshold=0.01, adaptive=False) if lookup else \
-        dict(draft_threshold=0.0)  # adaptive: some rounds run no draft (pending grows)
+    options = dict(draft_threshold=0.01, policy="threshold") if lookup else dict(policy="goodput")
+    rounds_planned = []
+
+    def every_third_round_plain(self, info):  # the goodput rule at price 0, and a plain round every third
+        rounds_planned.append(len(info.clamp))  # (the draft's pending tokens grow there)
+        plain = len(rounds_planned) % 3 == 0
+        ones = np.ones(len(info.clamp))
+        return GoodputRule(np.zeros_like(info.clamp) if plain else info.clamp, ones, ones, ones, 0.0, 0.0)
+    monkeypatch.setattr(Goodput, "plan", every_third_round_plain)
     computed = []  # rows the feature head computed at each step (only those still drafting by the model)
     head = draft.model if lookup else draft
     forward = head.forward
@@ -176,7 +185,7 @@ def test_each_proposal_is_the_draft_run_fresh_over_the_row_with_the_targets_true
                     features = torch.cat([features, estimate], dim=1)
                     ids.append(proposal)
                     checked += 1
-    assert checked >= 12  # the adaptive runs draft less on a slow machine (the controller reads timings)
+    assert checked >= 12
 
 
 def test_the_feature_buffer_holds_the_targets_features_of_each_finished_row():
@@ -286,7 +295,7 @@ def test_coupled_sampling_with_a_feature_draft_equals_target_only(kind):
     draft = LookupFirstDraft(DRAFTS[kind](target, 4))
     options = dict(max_new_tokens=14, batch_size=3, temperature=0.3, top_k=20, seed=11, sampling="coupled",
                    eos_token_id=[EOS])
-    out = specbatch.generate(target, draft, PROMPTS, num_draft_tokens=3, draft_threshold=0.0, check_invariants=True,
+    out = specbatch.generate(target, draft, PROMPTS, num_draft_tokens=3, policy="fixed", check_invariants=True,
                              **options)
     alone = specbatch.generate(target, None, PROMPTS, **options)
     assert out.sequences == alone.sequences

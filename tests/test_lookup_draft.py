@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import specbatch
+from specbatch.fast.policy import Threshold
 from hf_models import EOS, VOCAB, oracle, tiny
 from specbatch.fast.cache import rect_inputs
 from specbatch.fast.lookup_draft import LookupFirstDraft, PromptLookupDraft, lookup
@@ -91,7 +92,7 @@ def test_lookup_never_matches_across_the_padding(strategy, tmp_path):
         path = tmp_path / f"{strategy}-{batch}.jsonl"
         result = specbatch.generate(target, PromptLookupDraft(VOCAB), prompts, max_new_tokens=8,
                                     batch_size=batch, strategy=strategy, eos_token_id=[EOS], pad_token_id=EOS,
-                                    trace=path, draft_threshold=0.0, adaptive=False)
+                                    trace=path, draft_threshold=0.0, policy="threshold")
         rounds = {}
         for line in open(path):
             obj = __import__("json").loads(line)
@@ -117,7 +118,7 @@ def test_lookup_rows_draft_without_the_model_and_stay_exact(batch_size):
     result = specbatch.generate(target, draft, prompts, check_invariants=True, **kwargs)
     assert result.sequences == oracle(target, prompts, 14, [EOS])
     assert result.stats["lookup_rounds"] > 0
-    fixed = specbatch.generate(target, draft, prompts, draft_threshold=0.0, adaptive=False, **kwargs)
+    fixed = specbatch.generate(target, draft, prompts, draft_threshold=0.0, policy="threshold", **kwargs)
     assert fixed.stats["lookup_rounds"] == 0  # no threshold: every row drafts k from the model as before
     assert result.stats["draft_tokens_processed"] < fixed.stats["draft_tokens_processed"]
 
@@ -160,7 +161,7 @@ def run_draft_round(matches, model_confident_steps, k=4):
         return logits
 
     settings = Settings(k=k, eos_ids=(), window=None, dtype=torch.float32, device=torch.device("cpu"), fill=-1e9,
-                        threshold=0.5)
+                        policy=Threshold(k, 0.5, None))
     rows = len(matches)
     proposals = draft_round(step_forward, settings, np.full(rows, k), torch.arange(rows),
                             torch.zeros(rows, dtype=torch.long), "cpu", FakeLookup(matches))
@@ -222,18 +223,19 @@ def test_greedy_drafts_a_lookup_step_as_it_drafts_its_logits(vocab):
     assert token[step.matched == 0].eq(0).all() and confidence[step.matched == 0].lt(0.5).all()
 
 
-@pytest.mark.parametrize("reduced,adaptive", [(False, False), (True, False), (False, True)])
-def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_path, monkeypatch, reduced, adaptive):
+@pytest.mark.parametrize("reduced,policy", [(False, "threshold"), (True, "threshold"), (False, "goodput")])
+def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_path, monkeypatch, reduced, policy):
     """The ragged engine runs the prompt lookup itself (lookup rows; engine_lookup=True, so the draft
     skips its own), and a restricted head's logits stay restricted there (SubsetLogits). Every traced
     proposal and its confidence must still be the lookup-first draft's, run from scratch over the
     row's content and earlier proposals: the model's token and confidence where no n-gram matches,
-    the lookup's token (confidence 1) where one does, in lookup rows and model rows alike. With the
-    controller on, rounds of 3 rows or more ask for 3 matching tokens (DraftController.round_min_match):
-    the draft from scratch is then the lookup-first draft with min_match 3."""
+    the lookup's token (confidence 1) where one does, in lookup rows and model rows alike, under the
+    threshold rule and the goodput rule (its prices at 0, so that every row drafts whatever the
+    machine's timings)."""
     import json
     from specbatch.fast.cache import rect_inputs
-    from specbatch.fast.proposals import DraftController
+    from specbatch.fast.policy import Goodput
+    from specbatch.fast.proposals import GoodputRule
     from specbatch.fast.reduced_head import ReducedHeadDraft
     target = tiny("llama")
     model = tiny("llama", layers=1, seed=5)
@@ -241,19 +243,17 @@ def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_pa
     draft = LookupFirstDraft(inner)
     prompts = repetitive_prompts()
     path = tmp_path / "trace.jsonl"
-    options = dict(adaptive=True, draft_floor=0.01) if adaptive else dict(adaptive=False)
-    if adaptive:  # the controller's rules by row count, without its timing-dependent caps: every row drafts
-        monkeypatch.setattr(DraftController, "row_caps", lambda self, requests, clamp, remaining=None, waiting=True:
-                            (np.asarray(clamp), np.asarray(clamp)))
+    ones = lambda info: np.ones(len(info.clamp))  # noqa: E731
+    monkeypatch.setattr(Goodput, "plan", lambda self, info: GoodputRule(info.clamp, ones(info), ones(info),
+                                                                        ones(info), 0.0, 0.0))
     result = specbatch.generate(target, draft, prompts, max_new_tokens=14, num_draft_tokens=4, batch_size=3,
-                                draft_threshold=0.01, trace=path, check_invariants=True, **options)
+                                draft_threshold=0.01, trace=path, check_invariants=True, policy=policy)
     assert result.sequences == oracle(target, prompts, 14, [EOS])
-    counts = {"lookup": 0, "model": 0, "long": 0, "differs": 0}
+    counts = {"lookup": 0, "model": 0}
     with torch.no_grad():
         for round_ in [json.loads(line) for line in open(path)][1:-1]:
-            long = adaptive and len(round_["rows"]) >= DraftController.LONG_MATCH_FROM_ROWS
-            draft.min_match = DraftController.LONG_MATCH if long else 2
             for row in round_["rows"]:
+                assert ("bar" in row) == (policy == "goodput")
                 ids = row["tokens"][:row["content_len"]]
                 for proposal, confidence in zip(row["drafted"], row["draft_confidence"]):
                     pos, mask = rect_inputs(torch.zeros(1, dtype=torch.long), 0, len(ids), None, torch.float64, -1e9)
@@ -261,13 +261,5 @@ def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_pa
                     assert int(logits.argmax()) == proposal
                     assert confidence == pytest.approx(float(torch.softmax(logits.float(), -1).max()), rel=1e-5)
                     counts["lookup" if confidence == 1.0 else "model"] += 1
-                    counts["long"] += long
-                    if long:  # would the draft's own min_match have proposed something else here?
-                        draft.min_match = 2
-                        short = draft(torch.tensor([ids]), pos, mask, DynamicCache()).logits[0, -1]
-                        counts["differs"] += int(short.argmax()) != proposal
-                        draft.min_match = DraftController.LONG_MATCH
                     ids = ids + [proposal]
-    draft.min_match = 2
     assert counts["lookup"] >= 10 and counts["model"] >= 10
-    assert counts["long"] >= 10 and counts["differs"] >= 1 if adaptive else counts["long"] == 0

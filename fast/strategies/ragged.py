@@ -75,8 +75,8 @@ class RaggedEngine:
         self.queue = SlotQueue(slots)
         self.flat_ok = uses_engine_attention(target.model)  # flat verify needs fast.attention in every layer
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
-        lookup_first = draft is not None and isinstance(draft.model, LookupFirstDraft) and settings.threshold > 0
-        self.lookup = draft.model if lookup_first else None  # lookup rows (engine.draft_round) need a threshold
+        lookup_first = draft is not None and isinstance(draft.model, LookupFirstDraft) and settings.reads_confidence
+        self.lookup = draft.model if lookup_first else None  # lookup rows (engine.draft_round) stop on confidence
         self.vocab = vocab_size(draft.model) if lookup_first else None
         # the draft step's own options: the engine's lookup replaces the draft's (one lookup a step), and
         # a restricted head's logits stay restricted (fast.reduced_head.SubsetLogits; greedy reads them as they are)
@@ -103,9 +103,7 @@ class RaggedEngine:
         lookup over each row's tokens (content 0..c_i - 1, then the round's proposals), run on the
         token buffer itself (no cache: a round of lookup rows alone leaves the draft's cache as it is)."""
         s, rows = self.settings, len(content)
-        min_match = self.lookup.min_match  # the controller asks for longer matches in larger rounds
-        if s.controller is not None:
-            min_match = min(s.controller.round_min_match(rows, min_match), self.lookup.max_ngram)
+        min_match = self.lookup.min_match
         width = int(content.max()) + s.k
         work = self.tokens[rows_dev, :width].clone()
         length = torch.as_tensor(content, device=s.device)

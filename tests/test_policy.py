@@ -1,0 +1,195 @@
+"""Proposal policies (fast.policy): the goodput rule three ways, the round's best ratio against
+every plan, the cost model's fits, what a token is worth, each row's estimates from its own history,
+and the same code drafting deep where verify tokens are cheap and shallow where they are not."""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specbatch.fast.policy import (FixedK, Goodput, History, LinearCost, PolicySettings, RoundInfo, RoundOutcome,
+                                   Threshold, best_ratio, make_policy)
+from specbatch.fast.proposals import GoodputRule, goodput_lengths
+from specbatch.invariants import check_goodput_lengths
+
+probability = st.floats(0, 1)
+
+
+@given(st.lists(st.lists(probability, min_size=4, max_size=4), min_size=1, max_size=5),
+       st.lists(st.integers(0, 4), min_size=5, max_size=5), st.lists(st.floats(0.05, 1), min_size=5, max_size=5),
+       st.lists(st.floats(0.2, 2), min_size=5, max_size=5), st.floats(0, 1))
+def test_the_goodput_rule_three_ways(confidence, limits, worth, calibration, bar):
+    """Step by step as the engine applies it, on the whole round, and in the checker: the same lengths."""
+    confidence = np.array(confidence)
+    rows = len(confidence)
+    limit, worth, calibration = np.array(limits[:rows]), np.array(worth[:rows]), np.array(calibration[:rows])
+    rule = GoodputRule(limit, worth, calibration, np.full(rows, 0.5), bar, 0.0)
+    active, proposed = rule.begin(np.ones(rows, dtype=bool)), np.zeros(rows, dtype=np.int64)
+    for j in range(confidence.shape[1]):
+        proposes, active = rule.step(j, confidence[:, j], active)
+        proposed += proposes
+    assert (proposed == goodput_lengths(confidence, limit, worth, calibration, bar)).all()
+    assert check_goodput_lengths(proposed, confidence, limit, worth, calibration, bar) == []
+    for i in range(rows):  # each proposal's expected worth pays for its verify token; the next one's does not
+        p = int(proposed[i])
+        value = worth[i] * np.cumprod(np.minimum(calibration[i] * confidence[i], 1.0))
+        assert p <= limit[i] and all(value[:p] >= bar)
+        assert p == limit[i] or value[p] < bar
+
+
+def test_a_goodput_length_that_follows_a_neighbour_breaks_the_rule():
+    confidence = np.array([[0.9, 0.9, 0.9], [0.9, 0.2, 0.9]])
+    limit, worth, calibration = np.array([3, 3]), np.ones(2), np.ones(2)
+    good = goodput_lengths(confidence, limit, worth, calibration, 0.5)
+    assert list(good) == [3, 1]
+    assert [v.row for v in check_goodput_lengths(good[::-1], confidence, limit, worth, calibration, 0.5)] == [0, 1]
+    # each row's own calibration: swapped between the rows, the lengths change
+    assert list(goodput_lengths(confidence, limit, worth, np.array([1, 0.3]), 0.5)) == [3, 0]
+    assert list(goodput_lengths(confidence, limit, worth, np.array([0.3, 1]), 0.5)) == [0, 1]
+
+
+def test_one_more_step_runs_only_while_the_model_rows_next_proposals_pay_for_it():
+    confidence = np.full((2, 4), 0.9)
+    rule = GoodputRule(np.array([4, 4]), np.ones(2), np.ones(2), np.full(2, 0.9), 0.1, 1.5)
+    active = rule.begin(np.ones(2, dtype=bool))
+    assert active.all()  # two rows' first proposals, each expected 0.9 - 0.1, pay for a step at 1.5
+    proposes, active = rule.step(0, confidence[:, 0], active)
+    assert proposes.all() and not active.any()  # the next ones (0.81 - 0.1 each) do not
+    assert list(rule.limit) == [1, 1]  # the limit the checkers see
+    lookup = GoodputRule(np.array([4, 4]), np.ones(2), np.ones(2), np.full(2, 0.9), 0.1, 1.5)
+    active = lookup.begin(np.array([True, False]))  # row 1 drafts by lookup: no model step to pay for
+    assert list(active) == [False, True] and list(lookup.limit) == [0, 4]
+    for j in range(4):
+        proposes, active = lookup.step(j, confidence[:, j], active)
+    assert list(lookup.limit) == [0, 4]
+
+
+def brute_ratio(worth, forecast, clamp, base, token, step):
+    """Every plan p (0 <= p_i <= clamp_i): (worth committed) / (seconds)."""
+    best = 0.0
+    for plan in itertools.product(*[range(c + 1) for c in clamp]):
+        committed = sum(w * (1 + sum(f ** j for j in range(1, p + 1))) for w, f, p in zip(worth, forecast, plan))
+        best = max(best, committed / (base + step * max(plan) + token * sum(plan)))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 1), st.floats(0, 0.99), st.integers(0, 3)), min_size=1, max_size=4),
+       st.floats(0.01, 1), st.floats(0, 0.5), st.floats(0, 0.5))
+def test_the_rounds_best_ratio_is_the_best_plan(rows, base, token, step):
+    worth, forecast, clamp = (np.array(x) for x in zip(*rows))
+    want = brute_ratio(worth, forecast, clamp, base, token, step)
+    assert best_ratio(worth, forecast, clamp, base, token, step) == pytest.approx(want, rel=1e-9)
+
+
+def test_linear_cost_fits_a_line_and_ignores_one_slow_round():
+    cost = LinearCost()
+    assert not cost.measured()
+    cost.add(4, 0.02)
+    assert cost(2) == pytest.approx(0.01)  # one size: through the origin
+    cost = LinearCost()
+    for x in (1, 2, 5, 8):
+        for _ in range(3):
+            cost.add(x, 0.010 + 0.002 * x)
+    cost.add(8, 5.0)  # one round slowed down by the machine
+    assert cost.slope() == pytest.approx(0.002, rel=1e-6) and cost(10) == pytest.approx(0.030, rel=1e-6)
+
+
+def test_a_token_is_worth_one_while_requests_wait_and_its_share_of_the_longest_budget_otherwise():
+    policy = Goodput(4)
+    clamp = np.full(3, 4)
+    remaining = np.array([40, 10, 20])
+    assert list(policy.worth(RoundInfo(np.arange(3), clamp, remaining, waiting=True))) == [1, 1, 1]
+    assert list(policy.worth(RoundInfo(np.arange(3), clamp, remaining, waiting=False))) == [1, 0.25, 0.5]
+    assert list(policy.worth(RoundInfo(np.arange(3), clamp, None, waiting=False))) == [1, 1, 1]
+
+
+def outcome(requests, proposed, accepted, confidence, steps=4, draft=0.01, tokens=None, verify=0.05):
+    proposed, accepted = np.asarray(proposed), np.asarray(accepted)
+    return RoundOutcome(np.asarray(requests), proposed, accepted, np.asarray(confidence, dtype=float), steps, draft,
+                        int(tokens if tokens is not None else len(proposed) + proposed.sum()), verify)
+
+
+def test_each_rows_estimates_come_from_its_own_history():
+    policy = Goodput(4)
+    for _ in range(5):  # request 7 has its proposals accepted, request 3 has them rejected
+        policy.record(outcome([7, 3], [4, 4], [4, 0], np.full((2, 4), 0.8)))
+    forecast, calibration = policy.estimates(np.array([7, 3]))
+    assert forecast[0] > 0.8 > 0.3 > forecast[1] and calibration[0] > 1.0 > 0.4 > calibration[1]
+    swapped = policy.estimates(np.array([3, 7]))
+    assert list(swapped[0]) == list(forecast[::-1]) and list(swapped[1]) == list(calibration[::-1])
+    fresh, _ = policy.estimates(np.array([99]))  # no history of its own: the batch's
+    assert forecast[1] < fresh[0] < forecast[0]
+
+
+def test_a_proposal_is_reached_only_when_every_earlier_one_was_accepted():
+    policy = Goodput(4)
+    policy.record(outcome([0], [4], [1], [[0.9, 0.8, 0.7, 0.6]]))
+    h = policy.rows[0]
+    assert (h.reached, h.accepted, h.confidence) == (2, 1, pytest.approx(1.7))
+    policy.record(outcome([0], [0], [0], np.zeros((1, 0)), steps=0))  # evidence ages a round at a time
+    assert (h.reached, h.accepted) == (2 * History.DECAY, History.DECAY)
+
+
+def measured_policy(token_seconds: float, rows: int, step_seconds: float = 0.001) -> Goodput:
+    """A goodput policy whose verify costs 0.04 s plus token_seconds a token, a draft step
+    step_seconds, and whose rows have had 3 of every 4 proposals accepted at confidence 0.8."""
+    policy = Goodput(4)
+    for n in (rows, rows + 1, 2 * rows, 5 * rows):
+        for _ in range(3):
+            policy.verify_cost.add(n, 0.04 + token_seconds * n)
+    policy.draft_cost.add(rows, step_seconds)
+    for _ in range(10):
+        policy.record(outcome(np.arange(rows), np.full(rows, 4), np.full(rows, 3), np.full((rows, 4), 0.8), steps=4,
+                              draft=4 * step_seconds, tokens=5 * rows, verify=0.04 + token_seconds * 5 * rows))
+    return policy
+
+
+def lengths(policy: Goodput, rows: int, confidence: float = 0.9) -> np.ndarray:
+    rule = policy.plan(RoundInfo(np.arange(rows), np.full(rows, 4), np.full(rows, 50), waiting=True))
+    active, proposed = rule.begin(np.ones(rows, dtype=bool)), np.zeros(rows, dtype=np.int64)
+    for j in range(4):
+        proposes, active = rule.step(j, np.full(rows, confidence), active)
+        proposed += proposes
+    return proposed
+
+
+@pytest.mark.parametrize("rows", [1, 13])
+def test_the_same_policy_drafts_deep_where_verify_tokens_are_cheap_and_shallow_where_they_are_not(rows):
+    """No row count decides: at any batch size, cheap verify tokens (a GPU, or one row on a CPU) give
+    deep proposals; verify tokens that cost as much as a row's share of a round give fewer, and none
+    where a round of many rows costs far more than one row's."""
+    cheap = lengths(measured_policy(0.0001, rows), rows)
+    dear = lengths(measured_policy(0.04, rows), rows)
+    assert (cheap == 4).all() and (dear < cheap).all() and (rows == 1 or (dear == 0).all())
+    assert (lengths(measured_policy(0.0001, rows), rows, confidence=0.001) == 0).all()  # unlikely drafts: none
+
+
+def test_evidence_ages_so_drafting_resumes_after_a_losing_stretch():
+    """Rows whose proposals were all rejected stop drafting; with no new evidence their history
+    decays towards the prior and the first model step pays again: a probe no constant schedules."""
+    policy = measured_policy(0.002, 4, step_seconds=0.005)
+    for _ in range(100):
+        policy.record(outcome(np.arange(4), np.full(4, 4), np.zeros(4, dtype=int), np.full((4, 4), 0.9),
+                              draft=0.02, verify=0.04 + 0.002 * 20))
+    plain = 0
+    for _ in range(200):
+        rule = policy.plan(RoundInfo(np.arange(4), np.full(4, 4), None, waiting=True))
+        if rule.begin(np.ones(4, dtype=bool)).any():
+            break
+        plain += 1
+        policy.record(outcome(np.arange(4), np.zeros(4, dtype=int), np.zeros(4, dtype=int), np.zeros((4, 0)),
+                              steps=0, tokens=4, verify=0.04 + 0.002 * 4))
+    assert 10 <= plain < 200
+
+
+def test_make_policy_names_each_policy_and_refuses_others():
+    assert make_policy(PolicySettings("goodput", 0)) is None
+    assert isinstance(make_policy(PolicySettings("goodput", 4)), Goodput)
+    fixed, threshold = make_policy(PolicySettings("fixed", 4)), make_policy(PolicySettings("threshold", 4, 0.6, 0.1))
+    assert type(fixed) is FixedK and not fixed.reads_confidence
+    assert isinstance(threshold, Threshold) and threshold.reads_confidence and threshold.plan(
+        RoundInfo(np.arange(2), np.array([4, 2]))).limit.tolist() == [4, 2]
+    with pytest.raises(ValueError, match="unknown proposal policy 'smart'"):
+        make_policy(PolicySettings("smart", 4))
