@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specbatch.fast.policy import (FixedK, Goodput, History, LinearCost, PolicySettings, RoundInfo, RoundOutcome,
-                                   Threshold, best_ratio, make_policy)
+from specbatch.fast.costs import History, LinearCost
+from specbatch.fast.policy import (FixedK, Goodput, PolicySettings, RoundInfo, RoundOutcome, Threshold, best_ratio,
+                                   make_policy)
 from specbatch.fast.proposals import GoodputRule, goodput_lengths
 from specbatch.invariants import check_goodput_lengths
 

@@ -147,7 +147,7 @@ MUTANTS = [
      "return remaining / max(remaining.max(), 1.0)", "return np.ones(rows)", POLICY),
     ("goodput-every-proposal-reached", "proposals", "fast/policy.py",
      "reached = np.minimum(accepted + 1, proposed)", "reached = proposed", POLICY),
-    ("goodput-evidence-never-ages", "proposals", "fast/policy.py",
+    ("goodput-evidence-never-ages", "proposals", "fast/costs.py",
      "    DECAY = 0.9\n\n    def __init__(self):\n        self.reached",
      "    DECAY = 1.0\n\n    def __init__(self):\n        self.reached", POLICY),
     # ---- the engine's lookup in front of a model, a restricted head's logits kept restricted
