@@ -319,6 +319,11 @@ def ks_distance(u) -> float:
     return float(max((i / n - u).max(), (u - (i - 1) / n).max()))
 
 
+def tv_lower_bound(position: dict) -> float:
+    """The mean TV gap at a (setting, position) is at least its KS statistic less the DKW margin."""
+    return max(position["ks"] - position["margin"], 0.0)
+
+
 def dkw_margin(n: int, delta: float) -> float:
     """Dvoretzky-Kiefer-Wolfowitz: sup |F_n - F| <= this with probability >= 1 - delta."""
     return math.sqrt(math.log(2 / delta) / (2 * n)) if n else 1.0
@@ -371,7 +376,8 @@ class SampledReport:
         for row in self.positions:
             by_setting.setdefault(row["setting"], []).append(row)
         for name, rows in by_setting.items():
-            cells = " ".join(f"{r['position']}:{r['ks']:.3f}{'*' if r['ks'] > r['margin'] else ''}" for r in rows)
+            cells = " ".join(f"{r['position']}:{tv_lower_bound(r):.3f}{'*' if r['ks'] > r['margin'] else ''}"
+                             for r in rows)
             lines.append(f"  {name:<16}{cells}")
         lines.append(f"support violations: {len(self.violations)}; tokens at a rounding boundary (left out): "
                      f"{self.boundary}; threshold per p-value {self.threshold:.2g} (alpha {self.alpha:g} over "
@@ -384,7 +390,7 @@ class SampledReport:
         for row_id, position, token in self.violations[:20]:
             out.append(f"{row_id}: token {token} at position {position} is outside the kept set of its setting")
         out += [f"{name}: p = {p:.3g} < {self.threshold:.2g}" for name, p in self.p_values() if p < self.threshold]
-        out += [f"{r['setting']} position {r['position']}: TV gap >= {r['ks'] - r['margin']:.3f} "
+        out += [f"{r['setting']} position {r['position']}: TV gap >= {tv_lower_bound(r):.3f} "
                 f"({r['tokens']} tokens)" for r in self.positions if r["ks"] > r["margin"]]
         return out
 

@@ -11,7 +11,8 @@ import torch
 from hf_models import tiny
 from specbatch.fast.sampling import processed_log_probs
 from specbatch.sampled import (ALPHA, SETTINGS, _node_ids, check_samples, chi2_sf, load_sampled_vectors,
-                               make_sampled_vectors, poisson_binomial_sf, reference_probs, sampled_vectors)
+                               make_sampled_vectors, poisson_binomial_sf, reference_probs, sampled_vectors,
+                               tv_lower_bound)
 from specbatch.sampling_engines import BUGS, sampling_engine
 from specbatch.testing import (ConformanceError, check_sampling, hf_sampling_engine, run_sampled, sampled_power,
                                specbatch_sampling_engine, toy_sampling_pair)
@@ -105,6 +106,10 @@ def test_correct_samplers_pass_and_the_report_names_each_part():
         assert sum(s["tokens"] for s in report.settings) == sum(len(o["token_ids"]) for o in outputs)
         assert {d["kind"] for d in report.independence} == {"twin", "slot"}
         assert len(report.p_values()) == 2 * len(SETTINGS) + 2 and report.threshold == ALPHA / 14
+        # the TV column is the lower bound (KS statistic less its DKW margin): 0 here, not the statistic
+        tv = report.table().split("TV gap by position")[1].split("support violations")[0]
+        assert all(tv_lower_bound(r) == 0 < r["ks"] for r in report.positions)
+        assert "*" not in tv and tv.count(":0.000") == len(report.positions)
 
 
 FLAGGED_BY = {  # the part of the check that must reject each bug at the default size (one run)
@@ -121,6 +126,9 @@ def test_each_broken_sampler_is_flagged_by_its_part(bug):
     report = check_samples(vectors, run_sampled(sampling_engine(target, draft, bug=bug), vectors), target)
     assert not report.conformant
     part = FLAGGED_BY[bug]
+    if bug == "draft-argmax":  # a gap this large shows in the TV lower bounds, starred, and in the lines
+        assert any(tv_lower_bound(r) > 0 for r in report.positions) and "*" in report.table()
+        assert any(line.endswith("tokens)") and "TV gap >= 0.0" not in line for line in report.lines())
     if part == "support":
         assert report.violations and "outside the kept set" in report.lines()[0]
     else:
