@@ -17,6 +17,7 @@ from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
 from ..attention import flat_plan, uses_engine_attention
 from ..feature_draft import FeatureBuffer, FeatureCapture, draft_pending_after_features
+from ..layout import VerifyLayout
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, draft_round, observe_round, raise_violations,
                       rect_queries, record_round)
 from ..lookup_draft import LookupFirstDraft, LookupStep, latest_match
@@ -274,40 +275,36 @@ class RaggedEngine:
             raise_violations(found, round_index)
 
     def verify_flat(self, tokens, content, proposed, drafted, q, requests, content_t, found):
-        """One target forward over every row's own queries laid end to end (no padding): row i's
-        pending token and its p_i proposals, at content indices c_i - 1 .. c_i - 1 + p_i."""
+        """One target forward over every row's own queries laid end to end (fast.layout.VerifyLayout):
+        row i's pending token and its p_i proposals, at content indices c_i - 1 .. c_i - 1 + p_i."""
         s = self.settings
-        count = proposed + 1
-        token_row = np.repeat(np.arange(len(count)), count)
-        start = np.cumsum(count) - count
-        j = np.arange(len(token_row)) - start[token_row]
-        token_index = content[token_row] - 1 + j
-        layout = start[:, None] + np.minimum(np.arange(tokens.shape[1])[None, :], proposed[:, None])
-        plan = flat_plan(token_row, token_index, s.window, s.dtype, s.fill, s.device)
+        layout = VerifyLayout.of(proposed, content)
+        plan = flat_plan(layout.token_row, layout.token_index, s.window, s.dtype, s.fill, s.device)
         cache = self.caches["target"]
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
-        cache.prepare_flat(dev(token_row), dev(token_index), len(count), int(token_index.max()) + 1)
-        ids = tokens[dev(token_row), dev(j)][None]
-        pos = dev(token_index)[None]
+        cache.prepare_flat(dev(layout.token_row), dev(layout.token_index), len(proposed),
+                           int(layout.token_index.max()) + 1)
+        ids = tokens[dev(layout.token_row), dev(layout.column)][None]
+        pos = dev(layout.token_index)[None]
         if self.reads_features:  # features of every verified position (rejected ones are never read)
-            self.capture.route(dev(token_row)[None], pos)
-        hidden = torch.full((1, 1, 1, 1), s.fill, dtype=s.dtype, device=s.device).expand(1, 1, len(j), cache.kv_len)
+            self.capture.route(dev(layout.token_row)[None], pos)
+        hidden = torch.full((1, 1, 1, 1), s.fill, dtype=s.dtype, device=s.device).expand(1, 1, layout.tokens,
+                                                                                         cache.kv_len)
         logits = self.target(ids, pos, hidden, cache, flat=plan)  # the plan's masks decide what each query sees
-        choice, accepted = s.chooser.verify_flat(logits[0], dev(layout), drafted, q, dev(proposed), requests,
+        choice, accepted = s.chooser.verify_flat(logits[0], dev(layout.gather), drafted, q, dev(proposed), requests,
                                                  content_t)
         queries = None
         if s.check or s.trace is not None:
-            queries = flat_queries(plan, len(count))
+            queries = flat_queries(plan, len(proposed))
             if s.check:  # I2, I4 against what the lengths alone say row r's query j must be: c_r - 1 + j
                 for part in plan:
-                    members = np.arange(len(count))[part.rows] if isinstance(part.rows, slice) \
+                    members = np.arange(len(proposed))[part.rows] if isinstance(part.rows, slice) \
                         else part.rows.cpu().numpy()
-                    j = np.arange(part.query_index.shape[1])[None, :]
-                    want = np.where(j < count[members][:, None], content[members][:, None] - 1 + j, -1)
+                    want = layout.query_index(members, part.query_index.shape[1])
                     got = pos[0][part.tokens].view(want.shape).cpu().numpy()
                     slot = np.broadcast_to(np.arange(part.length), (len(members), part.length))
                     found += check_positions(got, want) + check_mask(part.mask, want, slot, s.window)
-        return choice, accepted, queries, len(token_row)
+        return choice, accepted, queries, layout.tokens
 
     def _contents(self, rows, content):
         """Row contents as a right-padded tensor (for the trace only)."""

@@ -37,6 +37,8 @@ MUTANTS = [
     ("flat-mask-sees-future", "masks", "fast/attention.py",
      "seen = (slot <= query[:, :, None]) & real[:, :, None]",
      "seen = (slot <= query[:, :, None] + 1) & real[:, :, None]", RAGGED),
+    ("flat-layout-position-off-by-one", "positions", "fast/layout.py",
+     "content[token_row] - 1 + column", "content[token_row] + column", RAGGED + ["tests/test_layout.py"]),
     ("packed-prefill-across-prompts", "masks", "fast/prefill.py",
      "visible = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])",
      "visible = (segment[:, None] >= segment[None, :]) & (position[None, :] <= position[:, None])", RAGGED),
