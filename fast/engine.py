@@ -264,7 +264,7 @@ def record_round(settings: Settings, clock, requests, proposals: Proposals, acce
     settings.policy.record(RoundOutcome(np.asarray(requests), proposals.proposed, np.asarray(accepted),
                                         proposals.host_confidence, proposals.model_steps,
                                         clock.last.get("time_draft", 0.0), verify_tokens,
-                                        clock.last.get("time_verify", 0.0)))
+                                        clock.last.get("time_verify", 0.0), proposals.lookup_rows))
 
 
 def check_proposals(settings: Settings, proposals: Proposals) -> list:

@@ -13,7 +13,8 @@ the round. Its model: a verify of N tokens (each row's pending token plus its pr
 verify(N) = a + b N seconds and a draft step over R rows draft(R), both fitted online; the round
 also pays the measured overhead outside them. Row i's j-th proposal is accepted, given the earlier
 ones were, with probability min(calibration_i * confidence_ij, 1), where calibration_i (accepted
-proposals per unit of draft confidence) comes from the row's own history, shrunk towards the batch's.
+proposals per unit of draft confidence) comes from the row's own history, shrunk towards the batch's
+(apart for the rounds it drafts by prompt lookup, whose confidence is always 1).
 Before drafting, the best achievable ratio lam = max over plans of (sum of worth committed) / (round
 seconds) is found from the rows' history forecasts; a proposal then pays if its expected worth is at
 least lam * b (the price of its verify token), a draft step if what it adds is at least lam *
@@ -66,6 +67,7 @@ class RoundOutcome:
     draft_seconds: float
     verify_tokens: int  # tokens the verify forward computed
     verify_seconds: float
+    lookup_rows: np.ndarray | None = None  # [R] rows that drafted by prompt lookup alone (None: none)
 
 
 class FixedK:
@@ -115,18 +117,19 @@ class Goodput:
         self.k = k
         self.verify_cost, self.draft_cost = LinearCost(), LinearCost()
         self.overhead: deque = deque(maxlen=64)  # seconds of a round outside draft and verify
-        self.rows: dict = {}  # request -> History
-        self.pooled = History()
+        self.rows: dict = {}  # (request, drafted by lookup) -> History
+        self.pooled = {False: History(), True: History()}  # the batch's, by source
         self.last_record = None
         self.rule = None
 
-    def estimates(self, requests) -> tuple[np.ndarray, np.ndarray]:
+    def estimates(self, requests, lookup: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(forecast, calibration) [R]: each row's acceptance per proposal and per unit of
-        confidence, from its own history shrunk towards the batch's."""
-        w = self.PRIOR_WEIGHT
-        pooled_rate = (self.pooled.accepted + w * 0.5) / (self.pooled.reached + w)
-        pooled_confidence = (self.pooled.confidence + w * 0.5) / (self.pooled.reached + w)
-        own = [self.rows.get(int(r), History()) for r in requests]
+        confidence, from its own history shrunk towards the batch's, for proposals of the draft
+        model or (lookup=True) of rows that draft by prompt lookup, whose confidence is always 1."""
+        w, pooled = self.PRIOR_WEIGHT, self.pooled[lookup]
+        pooled_rate = (pooled.accepted + w * 0.5) / (pooled.reached + w)
+        pooled_confidence = (pooled.confidence + w * 0.5) / (pooled.reached + w)
+        own = [self.rows.get((int(r), lookup), History()) for r in requests]
         accepted = np.array([h.accepted for h in own]) + w * pooled_rate
         forecast = accepted / (np.array([h.reached for h in own]) + w)
         calibration = accepted / (np.array([h.confidence for h in own]) + w * pooled_confidence)
@@ -143,14 +146,15 @@ class Goodput:
         clamp = np.asarray(info.clamp, dtype=np.int64)
         rows = len(clamp)
         forecast, calibration = self.estimates(info.requests)
+        by_lookup = self.estimates(info.requests, lookup=True)[1]
         worth = self.worth(info)
         if not (self.draft_cost.measured() and self.verify_cost.measured()):  # the first round: everything
-            self.rule = GoodputRule(clamp, worth, calibration, forecast, 0.0, 0.0)
+            self.rule = GoodputRule(clamp, worth, calibration, forecast, 0.0, 0.0, by_lookup)
             return self.rule
         overhead = float(np.median(self.overhead)) if self.overhead else 0.0
         token, step = self.verify_cost.slope(), self.draft_cost(rows)
         lam = best_ratio(worth, forecast, clamp, max(self.verify_cost(rows) + overhead, 1e-9), token, step)
-        self.rule = GoodputRule(clamp, worth, calibration, forecast, lam * token, lam * step)
+        self.rule = GoodputRule(clamp, worth, calibration, forecast, lam * token, lam * step, by_lookup)
         return self.rule
 
     def record(self, outcome: RoundOutcome) -> None:
@@ -169,9 +173,14 @@ class Goodput:
             columns = np.arange(outcome.confidence.shape[1])[None, :] < reached[:, None]
             confidence = np.where(columns, outcome.confidence, 0.0).sum(axis=1)
         landed = np.minimum(accepted, proposed)
-        self.pooled.add(float(reached.sum()), float(landed.sum()), float(confidence.sum()))
-        for i, r in enumerate(outcome.requests):
-            self.rows.setdefault(int(r), History()).add(float(reached[i]), float(landed[i]), float(confidence[i]))
+        lookup = np.zeros(rows, dtype=bool) if outcome.lookup_rows is None else np.asarray(outcome.lookup_rows)
+        for source in (False, True):  # evidence of both sources ages every round
+            mine = lookup == source
+            self.pooled[source].add(float(reached[mine].sum()), float(landed[mine].sum()),
+                                    float(confidence[mine].sum()))
+            for i, r in enumerate(outcome.requests):
+                self.rows.setdefault((int(r), source), History()).add(
+                    float(reached[i] * mine[i]), float(landed[i] * mine[i]), float(confidence[i] * mine[i]))
 
 
 def make_policy(settings: PolicySettings):

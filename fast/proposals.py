@@ -80,9 +80,10 @@ class GoodputRule:
 
     needs_confidence = True
 
-    def __init__(self, limit, worth, calibration, forecast, bar: float, step_price: float):
+    def __init__(self, limit, worth, calibration, forecast, bar: float, step_price: float, lookup_calibration=None):
         self.limit = np.asarray(limit, dtype=np.int64).copy()
         self.worth, self.calibration, self.forecast = worth, calibration, forecast  # [R] each
+        self.lookup_calibration = calibration if lookup_calibration is None else lookup_calibration  # [R]
         self.bar, self.step_price = float(bar), float(step_price)
         self.reach = np.ones(len(self.limit))  # P(every proposal so far is accepted), per row
         self.model_rows = np.ones(len(self.limit), dtype=bool)
@@ -91,8 +92,10 @@ class GoodputRule:
         return float(np.maximum(gain - self.bar, 0.0)[going & self.model_rows].sum()) >= self.step_price
 
     def begin(self, model_rows: np.ndarray) -> np.ndarray:
-        """The first model step runs only if the rows' forecasts pay for it (lookup rows need none)."""
+        """The first model step runs only if the rows' forecasts pay for it (lookup rows need none);
+        a lookup row's calibration is its lookup proposals' (their confidence is always 1)."""
         self.model_rows = np.asarray(model_rows, dtype=bool)
+        self.calibration = np.where(self.model_rows, self.calibration, self.lookup_calibration)
         active = self.limit > 0
         if not self._pays(self.worth * self.forecast, active):
             self.limit[self.model_rows] = 0

@@ -106,10 +106,11 @@ def test_a_token_is_worth_one_while_requests_wait_and_its_share_of_the_longest_b
     assert list(policy.worth(RoundInfo(np.arange(3), clamp, None, waiting=False))) == [1, 1, 1]
 
 
-def outcome(requests, proposed, accepted, confidence, steps=4, draft=0.01, tokens=None, verify=0.05):
+def outcome(requests, proposed, accepted, confidence, steps=4, draft=0.01, tokens=None, verify=0.05, lookup_rows=None):
     proposed, accepted = np.asarray(proposed), np.asarray(accepted)
     return RoundOutcome(np.asarray(requests), proposed, accepted, np.asarray(confidence, dtype=float), steps, draft,
-                        int(tokens if tokens is not None else len(proposed) + proposed.sum()), verify)
+                        int(tokens if tokens is not None else len(proposed) + proposed.sum()), verify,
+                        None if lookup_rows is None else np.asarray(lookup_rows))
 
 
 def test_each_rows_estimates_come_from_its_own_history():
@@ -127,10 +128,24 @@ def test_each_rows_estimates_come_from_its_own_history():
 def test_a_proposal_is_reached_only_when_every_earlier_one_was_accepted():
     policy = Goodput(4)
     policy.record(outcome([0], [4], [1], [[0.9, 0.8, 0.7, 0.6]]))
-    h = policy.rows[0]
+    h = policy.rows[0, False]
     assert (h.reached, h.accepted, h.confidence) == (2, 1, pytest.approx(1.7))
     policy.record(outcome([0], [0], [0], np.zeros((1, 0)), steps=0))  # evidence ages a round at a time
     assert (h.reached, h.accepted) == (2 * History.DECAY, History.DECAY)
+
+
+def test_lookup_rows_have_their_own_calibration():
+    """A lookup row's proposals have confidence 1 whatever their chance: their history is kept apart
+    from the draft model's, and the rule takes the lookup one for the rows that draft by lookup."""
+    policy = Goodput(4)
+    for _ in range(5):  # request 0: model proposals accepted (round 1 of 2), lookup proposals rejected
+        policy.record(outcome([0], [2], [2], [[0.6, 0.6]]))
+        policy.record(outcome([0], [2], [0], [[1.0, 1.0]], steps=0, lookup_rows=[True]))
+    model, lookup = policy.estimates([0])[1][0], policy.estimates([0], lookup=True)[1][0]
+    assert model > 1.0 > 0.5 > lookup
+    rule = policy.plan(RoundInfo(np.array([0, 0]), np.array([4, 4])))
+    rule.begin(np.array([True, False]))  # row 1 drafts by lookup
+    assert list(rule.calibration) == [model, lookup] and rule.fields(1)["calibration"] == lookup
 
 
 def measured_policy(token_seconds: float, rows: int, step_seconds: float = 0.001) -> Goodput:
