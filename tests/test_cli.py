@@ -53,7 +53,8 @@ def test_plain_text_and_spec_bench_prompt_files(folders, tmp_path):
 
 def test_interrupted_run_keeps_its_results_and_resume_completes_it(folders, prompt_file, tmp_path, monkeypatch):
     full = tmp_path / "full.jsonl"
-    assert main(["generate", *args(folders, prompt_file, "--out", str(full))]) == 0
+    fixed = ("--policy", "threshold")  # the goodput policy's per-request rounds follow the clock
+    assert main(["generate", *args(folders, prompt_file, *fixed, "--out", str(full))]) == 0
     part = tmp_path / "part.jsonl"
     original = specbatch.io.ResultWriter.add
     calls = []
@@ -64,13 +65,13 @@ def test_interrupted_run_keeps_its_results_and_resume_completes_it(folders, prom
         if len(calls) == 2:
             raise KeyboardInterrupt
     monkeypatch.setattr(specbatch.io.ResultWriter, "add", add_then_interrupt)
-    assert main(["generate", *args(folders, prompt_file, "--out", str(part))]) == 130
+    assert main(["generate", *args(folders, prompt_file, *fixed, "--out", str(part))]) == 130
     monkeypatch.setattr(specbatch.io.ResultWriter, "add", original)
     kept = [json.loads(x) for x in part.read_text().splitlines()]
     assert len(kept) == 2 and all(k in [json.loads(x) for x in full.read_text().splitlines()] for k in kept)
     with open(part, "a") as f:
         f.write('{"id": "q9", "tok')  # a torn line from a crash
-    assert main(["generate", *args(folders, prompt_file, "--out", str(part), "--resume")]) == 0
+    assert main(["generate", *args(folders, prompt_file, *fixed, "--out", str(part), "--resume")]) == 0
     assert part.read_text() == full.read_text()
 
 

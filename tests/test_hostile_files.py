@@ -21,7 +21,8 @@ from specbatch.io import InputError, OutputError, ResultWriter, loads_strict, op
 
 def gen_args(folders, prompts, *extra):
     return ["generate", "--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompts),
-            "--dtype", "float64", "--max-new-tokens", "6", "--batch-size", "3", *extra]
+            "--dtype", "float64", "--max-new-tokens", "6", "--batch-size", "3",
+            "--policy", "threshold", *extra]  # the goodput policy's per-request rounds follow the clock
 
 
 def exit_2_with(capsys, argv, message, warnings_ok=False):

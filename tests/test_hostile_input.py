@@ -29,7 +29,8 @@ def run_cli(*argv):
 
 def gen_args(folders, prompts, *extra):
     return ["generate", "--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompts),
-            "--dtype", "float64", "--max-new-tokens", "6", "--batch-size", "3", *extra]
+            "--dtype", "float64", "--max-new-tokens", "6", "--batch-size", "3",
+            "--policy", "threshold", *extra]  # the goodput policy's per-request rounds follow the clock
 
 
 def one_line_exit_2(capsys, argv, message):
