@@ -319,6 +319,7 @@ def test_a_vectors_path_that_is_a_file_and_a_too_short_context_are_one_line(vect
 
 # ---------------------------------------------------------------- 5. FIFOs, and the model cache
 
+@pytest.mark.full  # each refusal waits out a subprocess
 def test_a_fifo_as_input_is_refused_not_waited_on(folders, vectors_folder, tmp_path):
     fifo = tmp_path / "in.jsonl"
     os.mkfifo(fifo)
@@ -396,6 +397,7 @@ def test_check_engine_refuses_outputs_that_are_not_integer_ids(vectors_folder, c
     check_engine(numpy_engine, vectors, batch_sizes=(1,), orders=("input",))  # NumPy integers are ids
 
 
+@pytest.mark.full  # waits out its timeout
 def test_check_engine_takes_a_model_and_a_timeout():
     from specbatch.testing import ConformanceError, check_engine, specbatch_engine
     target = tiny("llama")

@@ -119,7 +119,15 @@ FLAGGED_BY = {  # the part of the check that must reject each bug at the default
 }
 
 
-@pytest.mark.parametrize("bug", sorted(FLAGGED_BY))
+def one_bug_per_part() -> list:
+    """Every bug; the default profile runs the first (alphabetical) bug of each part, --full all."""
+    first = {}
+    for bug in sorted(FLAGGED_BY):
+        first.setdefault(FLAGGED_BY[bug], bug)
+    return [bug if bug in first.values() else pytest.param(bug, marks=pytest.mark.full) for bug in sorted(FLAGGED_BY)]
+
+
+@pytest.mark.parametrize("bug", one_bug_per_part())
 def test_each_broken_sampler_is_flagged_by_its_part(bug):
     target, draft = TOY
     vectors = sampled_vectors(target, seed=2)

@@ -12,6 +12,7 @@ import torch
 
 import specbatch
 import specbatch.fast.sampling as sampling
+from profiles import only_full
 from hf_models import EOS, tiny
 from specbatch.fast.drafts import IMPOSED_P, IMPOSED_Q, ImposedLM, ScriptedDraft
 from specbatch.reference import deviate_hashed
@@ -208,7 +209,7 @@ def test_chi_square_rejects_broken_samplers(monkeypatch, mutant):
 THRESHOLD, FLOOR = 0.65, 0.55
 
 
-@pytest.mark.parametrize("strategy", ["eqspec", "ragged"])
+@pytest.mark.parametrize("strategy", only_full("eqspec", "ragged"))
 def test_a_confidence_threshold_keeps_the_target_distribution(strategy):
     _, every_step = sample_joint(strategy, draft_threshold=0.0)
     drafted = []
