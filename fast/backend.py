@@ -10,6 +10,11 @@ sets against transformers). `for_device(device)` picks them by the device's type
 | `wide_half_kv`: float32 K/V for bfloat16/float16 models | on: the small attention products run several times faster in float32 | off: the model's dtype, half the memory traffic |
 | `grouped_attention`: rows grouped by visible length, each group read with plain matmuls (fast.attention) | on: reading slots is the cost, a Python loop over groups is cheap beside a 200 ms step | off: one fused SDPA call over every row of the ragged layout, since a launch per group costs more than the slots it saves |
 
+A model sharded by tensor parallelism (specbatch.tensor_parallel: DTensor weights) keeps
+transformers' own sharded layers: the paths that replace a layer's forward or read its weights
+directly (prepacked linears, compiled blocks, the lean Llama draft forward) take only the models
+`held_whole` returns, and the engine's attention and caches work on each rank's share of the heads.
+
 SPECBATCH_BACKEND=cpu or =cuda runs one device type's choices on any device: the tests run the CUDA
 choices on the CPU this way, so that the fused attention path is checked where no GPU is.
 """
@@ -42,3 +47,16 @@ def for_device(device) -> Backend:
             raise ValueError(f"SPECBATCH_BACKEND={forced!r} is not one of {', '.join(CHOICES)}")
         return CHOICES[forced]
     return CHOICES["cpu" if torch.device(device).type == "cpu" else "cuda"]
+
+
+def sharded(model) -> bool:
+    """Whether any weight of `model` is a tensor-parallel shard (a DTensor)."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def held_whole(*models) -> list:
+    """The models (None skipped) that the CPU speed paths may rewrite: those not sharded."""
+    return [m for m in models if m is not None and not sharded(m)]

@@ -137,11 +137,15 @@ class GenerationResult:
 
 
 class Clock:
-    """Accumulates wall time into Stats fields; synchronises CUDA so phases are attributed right."""
+    """Accumulates wall time into Stats fields; synchronises CUDA so phases are attributed right.
 
-    def __init__(self, stats: Stats, device: torch.device):
+    agree(*seconds) -> seconds: what the proposal policy is told, the same on every rank of a
+    tensor-parallel group (specbatch.tensor_parallel.Parallel.agree); this process's own by default."""
+
+    def __init__(self, stats: Stats, device: torch.device, agree=None):
         self.stats, self.cuda = stats, device.type == "cuda"
         self.last: dict = {}  # the latest duration of each phase (the proposal policy reads them)
+        self.agree = agree or (lambda *seconds: seconds)
 
     @contextmanager
     def __call__(self, name: str):
@@ -258,13 +262,15 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
 
 
 def record_round(settings: Settings, clock, requests, proposals: Proposals, accepted, verify_tokens: int) -> None:
-    """Tell the policy (if any) what the round proposed, accepted and cost."""
+    """Tell the policy (if any) what the round proposed, accepted and cost (seconds as clock.agree
+    gives them, so that the ranks of a tensor-parallel group plan alike)."""
     if settings.policy is None:
         return
+    draft_seconds, verify_seconds, ended = clock.agree(clock.last.get("time_draft", 0.0),
+                                                       clock.last.get("time_verify", 0.0), time.perf_counter())
     settings.policy.record(RoundOutcome(np.asarray(requests), proposals.proposed, np.asarray(accepted),
-                                        proposals.host_confidence, proposals.model_steps,
-                                        clock.last.get("time_draft", 0.0), verify_tokens,
-                                        clock.last.get("time_verify", 0.0), proposals.lookup_rows))
+                                        proposals.host_confidence, proposals.model_steps, draft_seconds,
+                                        verify_tokens, verify_seconds, proposals.lookup_rows, ended))
 
 
 def check_proposals(settings: Settings, proposals: Proposals) -> list:

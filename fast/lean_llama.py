@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .attention import specbatch_attention
+from .backend import sharded
 
 
 def supported(model) -> bool:
@@ -33,7 +34,7 @@ def supported(model) -> bool:
     return getattr(config, "model_type", None) == "llama" and rope.get("rope_type", "default") == "default" \
         and getattr(config, "hidden_act", None) == "silu" and not getattr(config, "attention_bias", False) \
         and not getattr(config, "mlp_bias", False) and getattr(config, "pretraining_tp", 1) == 1 \
-        and hasattr(getattr(model, "model", None), "layers")
+        and hasattr(getattr(model, "model", None), "layers") and not sharded(model)
 
 
 def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:

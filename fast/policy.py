@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,6 +68,7 @@ class RoundOutcome:
     verify_tokens: int  # tokens the verify forward computed
     verify_seconds: float
     lookup_rows: np.ndarray | None = None  # [R] rows that drafted by prompt lookup alone (None: none)
+    ended: float = field(default_factory=time.perf_counter)  # clock reading when the round ended
 
 
 class FixedK:
@@ -162,7 +163,7 @@ class Goodput:
         if outcome.draft_steps:
             self.draft_cost.add(rows, outcome.draft_seconds / outcome.draft_steps)
         self.verify_cost.add(outcome.verify_tokens, outcome.verify_seconds)
-        now = time.perf_counter()
+        now = outcome.ended
         if self.last_record is not None:  # commit, bookkeeping, refills: paid once a round
             self.overhead.append(max(now - self.last_record - outcome.draft_seconds - outcome.verify_seconds, 0.0))
         self.last_record = now

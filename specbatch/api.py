@@ -8,13 +8,14 @@ import time
 import torch
 
 from .fast.attention import engine_attention
-from .fast.backend import for_device
+from .fast.backend import for_device, held_whole
 from .fast.kernels import compiled_blocks, prepacked_linears
 from .fast.policy import PolicySettings, make_policy
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
 from .invariants import TraceWriter
+from .tensor_parallel import clock_agreement
 from .options import (STRATEGIES, GenerateOptions, check_arrivals, check_choice, check_options, check_token_id,
                       check_token_ids, resolve)
 
@@ -96,8 +97,12 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     strategy = variant or opts.strategy
     temperature, top_k, top_p, seed, sampling = opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.sampling
     num_draft_tokens, batch_size, max_new_tokens = opts.num_draft_tokens, opts.batch_size, opts.max_new_tokens
+    agree = clock_agreement(target)  # None unless the target is sharded (tensor parallelism)
     if arrivals is not None:
         arrivals = check_arrivals(arrivals, len(prompts))
+        if agree is not None:
+            raise ValueError("arrivals= follow the clock, which the ranks of a tensor-parallel target do not share; "
+                             "run latency benchmarks with the target held whole")
     check_pair(target, draft, tokenizer, draft_tokenizer)
     if draft is not None and getattr(draft, "reads_features", False) and strategy != "ragged":
         raise ValueError(f"the draft reads the target's features (a feature draft, fast.feature_draft); only "
@@ -179,15 +184,16 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
 
     start = time.perf_counter()
     settings.arrivals = Arrivals(len(ids), arrivals)
-    clock = Clock(stats, device)
+    clock = Clock(stats, device, agree)
     from .fast.strategies import broken, eqspec, exspec, ragged
     run = {"eqspec": eqspec.run, "ragged": ragged.run, "bsp-like": broken.run_bsp_like,
            "dsd-like": broken.run_dsd_like,
            "exspec": functools.partial(exspec.run, pool_window=opts.pool_window, max_wait=opts.max_wait)}[strategy]
+    whole = held_whole(target, draft)  # a tensor-parallel target keeps its sharded layers (fast.backend)
     try:
         with torch.inference_mode(), engine_attention(target, draft, fused=not backend.grouped_attention), \
-                compiled_blocks(target, draft, enabled=opts.compile) as compiled, \
-                prepacked_linears(target, draft, enabled=opts.prepack and backend.prepack_linears, skip=compiled):
+                compiled_blocks(*whole, enabled=opts.compile) as compiled, \
+                prepacked_linears(*whole, enabled=opts.prepack and backend.prepack_linears, skip=compiled):
             run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
     finally:  # an error (or Ctrl-C) leaves no half-drawn bar in front of its message
         if bar is not None:

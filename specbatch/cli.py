@@ -79,6 +79,23 @@ def int_list(text: str) -> list[int]:
 
 # ---------------------------------------------------------------- commands
 
+def tensor_parallel_layout(rank: int, size: int, tp: int, device: str):
+    from .tensor_parallel import TensorParallelError, layout
+    try:
+        return layout(rank, size, tp, "cuda" if str(device).startswith("cuda") else "cpu")
+    except TensorParallelError as e:
+        raise UserError(str(e)) from None
+
+
+def shard_target(target, parallel):
+    """The target sharded over this rank's tensor-parallel group (itself when --tensor-parallel is 1)."""
+    from .tensor_parallel import TensorParallelError, shard
+    try:
+        return shard(target, parallel)
+    except TensorParallelError as e:
+        raise UserError(str(e)) from None
+
+
 def cmd_generate(args) -> int:
     import glob
 
@@ -96,6 +113,8 @@ def cmd_generate(args) -> int:
     order = [ident for ident, _ in prompts]
     opts, _ = options_from_args(args)
     rank, size = distributed.init_from_env(opts.device)
+    parallel = tensor_parallel_layout(rank, size, args.tensor_parallel, opts.device)
+    groups = parallel.dp_size  # data-parallel groups: each takes a share of the requests, one part file
     lock = None
     previous = {}
     # every part file there, whatever the world size of the run that wrote it; kept until merged
@@ -118,7 +137,8 @@ def cmd_generate(args) -> int:
     if args.out:
         from .fast.models import eos_ids_of, vocab_size
         record_now = run_record(target_spec=args.target, draft_spec=args.draft, target=target, draft=draft,
-                                prompts_file=args.prompts, chat_template=args.chat_template, options=opts)
+                                prompts_file=args.prompts, chat_template=args.chat_template, options=opts,
+                                tensor_parallel=parallel.tp)  # of the whole target, before sharding
         try:
             if args.resume and (previous or Path(f"{args.out}.settings.json").exists()):
                 check_same_run(args.out, record_now)
@@ -128,15 +148,18 @@ def cmd_generate(args) -> int:
                 write_record(args.out, record_now)
         except InputError as e:
             raise UserError(str(e)) from None
+    target = shard_target(target, parallel)
     todo = [i for i, ident in enumerate(order) if ident not in previous]
-    mine = [todo[j] for j in distributed.shard(len(todo), rank, size)]  # all of todo when not distributed
+    mine = [todo[j] for j in distributed.shard(len(todo), parallel.dp_rank, groups)]  # all of todo for one group
     if previous and rank == 0:
         print(f"resuming: {len(previous)} of {len(order)} requests already in {args.out}", file=sys.stderr)
-    parts = [f"{args.out}.part{r}" for r in range(size)] if args.out else []
-    if size > 1 and args.out:  # each rank appends to its own part file; rank 0 merges them at the end
-        writer = ResultWriter(parts[rank], order, {}, append=True)
+    parts = [f"{args.out}.part{g}" for g in range(groups)] if args.out else []
+    if not parallel.writes or not args.out:  # a tensor-parallel group's other ranks compute, its first writes
+        writer = None
+    elif size > 1:  # each group appends to its own part file; rank 0 merges them at the end
+        writer = ResultWriter(parts[parallel.dp_rank], order, {}, append=True)
     else:
-        writer = ResultWriter(args.out, order, previous) if args.out else None
+        writer = ResultWriter(args.out, order, previous)
 
     def record(request, tokens, reason, rounds):
         ident = order[mine[request]]
@@ -145,7 +168,7 @@ def cmd_generate(args) -> int:
                    accepted_length=round(len(tokens) / max(rounds, 1), 4))
         if writer is not None:
             writer.add(rec)
-        else:
+        elif not args.out and parallel.writes:
             print(rec["text"] if not args.jsonl_stdout else __import__("json").dumps(rec), flush=True)
 
     result = None
@@ -182,30 +205,46 @@ def cmd_generate(args) -> int:
               f"{st['time_total']:.1f} s ({st['tokens_per_second']:.1f} tokens/s), mean accepted length "
               f"{st['mean_accepted_length']:.2f}, alignment {100 * st['align_share']:.1f}%"
               + (f"; results in {args.out}" if args.out and rank == 0 else ""), file=sys.stderr)
-    if size > 1:  # every result is written and the group destroyed: leave without the interpreter's
-        sys.stdout.flush()  # teardown, whose C++ destructors can still abort on a gloo thread
-        sys.stderr.flush()  # ("terminate called without an active exception"; 1 run in 9 measured)
-        os._exit(0)
-    return 0
+    return leave(0) if size > 1 else 0
+
+
+def leave(code: int):
+    """Exit a torchrun process whose group is destroyed, without the interpreter's teardown, whose
+    C++ destructors can still abort on a gloo thread ("terminate called without an active
+    exception"; 1 run in 9 measured)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_verify(args) -> int:
-    import specbatch
     from .fast.equivalence import compare
     prompts = read_prompt_file(args.prompts)
     opts, _ = options_from_args(args)
     if opts.temperature:
         raise UserError("verify checks greedy decoding; drop --temperature")
+    from . import distributed
+    rank, size = distributed.init_from_env(opts.device)
+    parallel = tensor_parallel_layout(rank, size, args.tensor_parallel, opts.device)
+    if parallel.dp_size > 1:
+        raise UserError(f"verify runs every request on one tensor-parallel group: launch as many processes as "
+                        f"--tensor-parallel ({parallel.tp}), not {size}")
     target, draft, tokenizer = load(args.target, args.draft, dtype=opts.dtype, device=opts.device)
+    target = shard_target(target, parallel)
     ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
-    print(f"reference: target-only greedy decoding at batch 1 on {len(ids)} prompts", file=sys.stderr)
-    reference = run_generate(target, None, ids, dataclasses.replace(opts, batch_size=1), progress=True)
-    print(f"candidate: {opts.strategy}, batch {opts.batch_size}, k = {opts.num_draft_tokens}", file=sys.stderr)
-    candidate = run_generate(target, draft, ids, opts, progress=True, check_invariants=args.check_invariants)
+    say = (lambda *a, **k: print(*a, **k)) if rank == 0 else (lambda *a, **k: None)  # noqa: E731
+    layout = f" under the same sharding (tensor parallel {parallel.tp})" if parallel.tp > 1 else ""
+    say(f"reference: target-only greedy decoding at batch 1{layout} on {len(ids)} prompts", file=sys.stderr)
+    reference = run_generate(target, None, ids, dataclasses.replace(opts, batch_size=1), progress=rank == 0)
+    say(f"candidate: {opts.strategy}, batch {opts.batch_size}, k = {opts.num_draft_tokens}{layout}", file=sys.stderr)
+    candidate = run_generate(target, draft, ids, opts, progress=rank == 0, check_invariants=args.check_invariants)
     reports = compare(target, ids, candidate.sequences, reference.sequences, tolerance=args.tie_tolerance,
                       ulps=args.tie_ulps)
+    distributed.shutdown()
+    code = 1 if any(not r["exact"] and r["kind"] == "error" for r in reports) else 0
+    if rank:
+        leave(code)
     exact = sum(r["exact"] for r in reports)
-    errors = [r for r in reports if not r["exact"] and r["kind"] == "error"]
     print(f"exact match: {exact}/{len(reports)} ({100 * exact / len(reports):.1f}%); "
           f"mean accepted length {candidate.stats['mean_accepted_length']:.2f}")
     for r in reports:
@@ -214,7 +253,7 @@ def cmd_verify(args) -> int:
             print(f"  request {prompts[r['request']][0]}: first divergence at new token {r['index']}, reference "
                   f"top-2 margin {r['margin']:.3g} ({r['margin_ulps']:.1f} ulps of {opts.dtype} at the top logit) -> "
                   f"{verdict} (tie threshold {r['threshold']:.3g})")
-    return 1 if errors else 0
+    return leave(code) if size > 1 else code
 
 
 def cmd_check_trace(args) -> int:
@@ -442,6 +481,13 @@ def add_decoding_args(p):
     p.add_argument("--chat-template", action="store_true", help="wrap each prompt in the tokenizer's chat template")
 
 
+def add_tensor_parallel(p):
+    p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                   help="under torchrun: shard the target over groups of N processes by its transformers "
+                        "tensor-parallel plan (the draft is replicated); the processes / N groups split the "
+                        "requests (docs/distributed.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="specbatch", description="Batch speculative decoding that is "
                                      "provably output-equivalent to target-only decoding.")
@@ -455,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="skip requests already in --out")
     p.add_argument("--trace", help="write a round trace (JSONL) for check-trace")
     p.add_argument("--jsonl-stdout", action="store_true", help="without --out, print JSON lines instead of text")
+    add_tensor_parallel(p)
     p.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("verify", help="prove equivalence: compare a strategy with target-only greedy decoding")
@@ -467,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-tolerance", type=float, default=None,
                    help="an absolute top-2 margin to use instead of --tie-ulps")
     p.add_argument("--check-invariants", action="store_true", help="also check I1-I6 every round")
+    add_tensor_parallel(p)
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("bench", help="compare methods side by side in one run: table, JSON and plots")

@@ -70,12 +70,17 @@ def gather(obj):
 
 def generate(target, draft, prompts, *, max_new_tokens, seed=0, **kwargs) -> GenerationResult:
     """`specbatch.generate` over all ranks: same arguments, same results (input order) on every rank.
+    A target sharded by specbatch.tensor_parallel.shard is run by each group of ranks that holds it,
+    the groups splitting the requests.
 
     stats are this rank's own (throughput of its shard); sequences, stop_reasons and
     request_stats cover every request."""
     import specbatch
+    from .tensor_parallel import Parallel, mesh_of
     rank, size = init_from_env(str(next(target.parameters()).device))
-    mine = shard(len(prompts), rank, size)
+    mesh = mesh_of(target)  # a sharded target: its group's ranks run the same requests
+    group = Parallel(rank, size, mesh.size() if mesh is not None else 1)
+    mine = shard(len(prompts), group.dp_rank, group.dp_size)
     pick = lambda values: [values[i] for i in mine] if isinstance(values, (list, tuple)) else values  # noqa: E731
     local = specbatch.generate(target, draft, [prompts[i] for i in mine], max_new_tokens=pick(max_new_tokens),
                                seed=pick(seed), request_ids=mine, **kwargs) if mine else None

@@ -42,15 +42,19 @@ def _identity(model) -> dict | None:
 
 
 def run_record(*, target_spec: str, draft_spec: str | None, target, draft, prompts_file, chat_template: bool,
-               options) -> dict:
-    """The record of a run: everything that decides its outputs."""
+               options, tensor_parallel: int = 1) -> dict:
+    """The record of a run: everything that decides its outputs (a tensor-parallel degree above 1
+    too: the all-reduces round differently, so float32 outputs may differ at ties)."""
     from . import __version__
     decisive = {name: value for name, value in dataclasses.asdict(options).items() if name not in RESUMABLE}
     decisive["device"] = str(decisive["device"]).split(":")[0]  # the device type: cuda:0 and cuda:1 are alike
-    return dict(format=RECORD_FORMAT, specbatch=__version__, target=target_spec, target_identity=_identity(target),
-                draft=draft_spec or "none", draft_identity=_identity(draft),
-                prompts_sha256=hashlib.sha256(Path(prompts_file).read_bytes()).hexdigest(),
-                chat_template=bool(chat_template), options=decisive)
+    record = dict(format=RECORD_FORMAT, specbatch=__version__, target=target_spec,
+                  target_identity=_identity(target), draft=draft_spec or "none", draft_identity=_identity(draft),
+                  prompts_sha256=hashlib.sha256(Path(prompts_file).read_bytes()).hexdigest(),
+                  chat_template=bool(chat_template), options=decisive)
+    if tensor_parallel > 1:
+        record["tensor_parallel"] = tensor_parallel
+    return record
 
 
 def write_record(out, record: dict) -> None:

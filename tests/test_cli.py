@@ -182,6 +182,8 @@ def test_bench_compares_another_engines_results(folders, prompt_file, tmp_path, 
     (lambda f, p, t: ["--target", f["target"], "--prompts", str(p), "--batch-size", "0"], "positive integer"),
     (lambda f, p, t: ["--target", f["target"], "--prompts", str(p), "--max-new-tokens", "-3"], "positive integer"),
     (lambda f, p, t: ["--target", f["target"], "--prompts", str(p), "--strategy", "magic"], "invalid choice"),
+    (lambda f, p, t: ["--target", f["target"], "--prompts", str(p), "--tensor-parallel", "2"],
+     "launch with torchrun --nproc-per-node 2"),
 ])
 def test_bad_input_gives_one_line_and_exit_code_2(folders, prompt_file, tmp_path, capsys, make, message):
     (tmp_path / "empty.txt").write_text("\n")
