@@ -93,7 +93,19 @@ def shard(model, parallel: Parallel):
         return model
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
     plan = check_shardable(model, parallel.tp)
-    apply_tensor_parallelism(model, parallel.mesh, plan)
+    # A tied weight (the output head sharing the input embedding) is one Parameter under two names:
+    # the plan shards it under the first name, and the other name is pointed at that shard after.
+    first = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    apply_tensor_parallelism(model, parallel.mesh, {k: v for k, v in plan.items() if k not in aliases})
+    for alias, name in aliases.items():
+        owner, _, param = alias.rpartition(".")
+        model.get_submodule(owner)._parameters[param] = model.get_parameter(name)
     return model
 
 

@@ -166,3 +166,20 @@ def test_check_trace_unreadable_file_exits_2_with_one_line(tmp_path, capsys):
     assert main(["check-trace", str(tmp_path / "junk.jsonl")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all("error" in line for line in err)
+
+
+def test_every_mutant_of_the_harness_applies_to_the_code_as_it_is():
+    """tests/mutation/mutants.py names each mutant by a text that must occur exactly once in its file;
+    a refactor that moves the text makes the mutant stale (the harness would report it, not run it)."""
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests" / "mutation"))
+    try:
+        from mutants import MUTANTS
+    finally:
+        sys.path.pop(0)
+    stale = [(ident, file, (root / file).read_text().count(old)) for ident, _, file, old, _, _ in MUTANTS
+             if (root / file).read_text().count(old) != 1]
+    assert not stale, stale
+    assert len({m[0] for m in MUTANTS}) == len(MUTANTS)  # ids are unique

@@ -44,8 +44,9 @@ def torchrun(processes: int, *argv, timeout=300) -> subprocess.CompletedProcess:
 
 
 def sharded_runs(tmp_path, arch: str, dtype: torch.dtype):
-    """(whole target, draft, the tp_worker's runs on the target sharded over 2 ranks)."""
-    target = tiny(arch, dtype=dtype)
+    """(whole target, draft, the tp_worker's runs on the target sharded over 2 ranks). The Llama
+    target ties its output head to its input embedding (as SmolLM2 does): one weight, two plan rules."""
+    target = tiny(arch, dtype=dtype, tie_word_embeddings=arch == "llama")
     draft = noisy_copy(target)
     save_folder(tmp_path / "target", target)
     save_folder(tmp_path / "draft", draft)

@@ -20,6 +20,7 @@ OPTIONS = ["tests/test_options.py"]
 HOSTILE = ["tests/test_hostile_files.py"]
 BACKEND = ["tests/test_backend.py"]
 SAMPLED = ["tests/test_sampled.py"]
+TENSOR_PARALLEL = ["tests/test_tensor_parallel.py"]
 
 MUTANTS = [
     # ---- masks
@@ -50,8 +51,6 @@ MUTANTS = [
     ("ragged-verify-position", "positions", "fast/strategies/ragged.py",
      "query_index = content[:, None] - 1 + np.arange(width)[None, :]",
      "query_index = content[:, None] + np.arange(width)[None, :]", RAGGED),
-    ("flat-verify-position", "positions", "fast/strategies/ragged.py",
-     "token_index = content[token_row] - 1 + j", "token_index = content[token_row] + j", RAGGED),
     # ---- cache edits
     ("eqspec-crop-not-realign", "cache", "fast/strategies/eqspec.py",
      "gather_cache(self.target_cache, rows, source, new_width - 1)",
@@ -141,8 +140,8 @@ MUTANTS = [
      "accept = np.minimum(self.calibration * confidence, 1.0)",
      "accept = np.minimum(np.roll(self.calibration, 1) * confidence, 1.0)", POLICY + PROPOSALS),
     ("goodput-neighbours-history", "proposals", "fast/policy.py",
-     "own = [self.rows.get(int(r), History()) for r in requests]",
-     "own = [self.rows.get(int(r), History()) for r in np.roll(requests, 1)]", POLICY),
+     "own = [self.rows.get((int(r), lookup), History()) for r in requests]",
+     "own = [self.rows.get((int(r), lookup), History()) for r in np.roll(requests, 1)]", POLICY),
     ("goodput-step-never-priced", "proposals", "fast/proposals.py",
      "if not self._pays(value * accept, goes_on):", "if False:", POLICY),
     ("goodput-every-row-worth-one", "proposals", "fast/policy.py",
@@ -168,7 +167,8 @@ MUTANTS = [
      "return n.copy() if model_steps else pending + n", "return np.maximum(n - 1, 1) if model_steps else pending + n",
      FEATURES),
     ("feature-verify-routed-one-index-late", "features", "fast/strategies/ragged.py",
-     "self.capture.route(dev(token_row)[None], pos)", "self.capture.route(dev(token_row)[None], pos + 1)", FEATURES),
+     "self.capture.route(dev(layout.token_row)[None], pos)", "self.capture.route(dev(layout.token_row)[None], pos + 1)",
+     FEATURES),
     ("feature-head-drops-residual", "features", "fast/feature_draft.py",
      "predicted = features + self.down(F.silu(x))", "predicted = self.down(F.silu(x))",
      FEATURES + ["tests/test_distilled_draft.py"]),
@@ -213,7 +213,8 @@ MUTANTS = [
      "return isinstance(value, numbers.Integral) and not isinstance(value, bool)",
      "return isinstance(value, numbers.Integral)", HOSTILE),
     ("part-files-truncated", "files", "specbatch/cli.py",
-     "writer = ResultWriter(parts[rank], order, {}, append=True)", "writer = ResultWriter(parts[rank], order, {})",
+     "writer = ResultWriter(parts[parallel.dp_rank], order, {}, append=True)",
+     "writer = ResultWriter(parts[parallel.dp_rank], order, {})",
      HOSTILE + ["tests/test_distributed.py"]),
     ("acceptance-by-position-off-by-one", "stats", "fast/engine.py",
      "self.accepted_at += (np.asarray(accepted)[:, None] >= position).sum(axis=0)",
@@ -244,4 +245,15 @@ MUTANTS = [
     ("slack-narrows-top-k", "sampled checker", "specbatch/sampled.py",
      "x = x.masked_fill(x < kth - slack * (1 + kth.abs()), float(\"-inf\"))",
      "x = x.masked_fill(x < kth + slack * (1 + kth.abs()), float(\"-inf\"))", SAMPLED),
+    # ---- tensor parallelism
+    ("tp-clock-not-agreed", "tensor parallel", "specbatch/api.py",
+     "agree = clock_agreement(target)  # None unless", "agree = None  # None unless", TENSOR_PARALLEL),
+    ("tp-prepacked-sharded-target", "tensor parallel", "fast/backend.py",
+     "return [m for m in models if m is not None and not sharded(m)]", "return [m for m in models if m is not None]",
+     TENSOR_PARALLEL),
+    ("tp-group-splits-requests-by-rank", "tensor parallel", "specbatch/distributed.py",
+     "mine = shard(len(prompts), group.dp_rank, group.dp_size)", "mine = shard(len(prompts), rank, size)",
+     TENSOR_PARALLEL),
+    ("tp-every-rank-writes", "tensor parallel", "specbatch/tensor_parallel.py",
+     "        return self.tp_rank == 0\n", "        return True\n", TENSOR_PARALLEL),
 ]
