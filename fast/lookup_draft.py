@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .models import WeightlessLM, cache_argument
+from .models import WeightlessLM, abilities_of, cache_argument
 from .reduced_head import full_logits
 
 
@@ -146,18 +146,23 @@ class LookupFirstDraft(torch.nn.Module):
     @property
     def reads_features(self) -> bool:
         """Whether the model behind the lookup reads the target's features (fast.feature_draft)."""
-        return bool(getattr(self.model, "reads_features", False))
+        return abilities_of(self.model).reads_features
 
     @property
     def returns_subset(self) -> bool:
         """Whether forward(subset_logits=True) is understood (by the model behind the lookup)."""
-        return bool(getattr(self.model, "returns_subset", False))
+        return abilities_of(self.model).returns_subset
 
     @property
     def computes_row_subset(self) -> bool:
         """Whether forward(rows=...) is understood (by the model behind the lookup; the history layer
         is stored for every row either way)."""
-        return bool(getattr(self.model, "computes_row_subset", False))
+        return abilities_of(self.model).computes_row_subset
+
+    @property
+    def prompt_lookup(self):
+        """Its lookup (min_match, max_ngram), which the ragged engine runs itself for lookup rows."""
+        return self
 
     @property
     def lookup_proposals(self) -> int:

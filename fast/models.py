@@ -3,6 +3,7 @@ call with explicit positions and a 4D mask, EOS ids, context limits and attentio
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -12,6 +13,25 @@ def cache_argument(model) -> str:
     """The forward's cache keyword: `cache` in transformers >= 5.x, `past_key_values` before."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+@dataclass(frozen=True)
+class DraftAbilities:
+    """What a draft declares it can do, read once (`abilities_of`): the engine consults this, never
+    a draft's class. A draft declares an ability as an attribute of the same name; absent is no."""
+
+    reads_features: bool = False  # reads the target's features of its content (fast.feature_draft): ragged only
+    returns_subset: bool = False  # forward(subset_logits=True) returns logits over its own token subset
+    computes_row_subset: bool = False  # forward(rows=...) computes only those rows (rows independent, no K/V)
+    prompt_lookup: object = None  # a lookup-first draft's own lookup (min_match, max_ngram) that the engine
+    #                               may run itself for rows that draft by lookup, with forward(engine_lookup=True)
+
+
+def abilities_of(model) -> DraftAbilities:
+    """The abilities `model` declares (none for a plain Hugging Face model)."""
+    return DraftAbilities(**{name: getattr(model, name, default) for name, default in
+                             (("reads_features", False), ("returns_subset", False), ("computes_row_subset", False),
+                              ("prompt_lookup", None))})
 
 
 class ModelRunner:
@@ -26,7 +46,7 @@ class ModelRunner:
         self.cache_kw = cache_argument(model)
         self.tokens_processed = 0
         self.last_features = None
-        self.reads_features = bool(getattr(model, "reads_features", False))
+        self.abilities = abilities_of(model)
 
     @property
     def num_layers(self) -> int:

@@ -13,7 +13,7 @@ from .fast.kernels import compiled_blocks, prepacked_linears
 from .fast.policy import PolicySettings, make_policy
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.sampling import make_chooser
-from .fast.models import ModelRunner, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
+from .fast.models import ModelRunner, abilities_of, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
 from .invariants import TraceWriter
 from .tensor_parallel import clock_agreement
 from .options import (STRATEGIES, GenerateOptions, check_arrivals, check_choice, check_options, check_token_id,
@@ -104,7 +104,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
             raise ValueError("arrivals= follow the clock, which the ranks of a tensor-parallel target do not share; "
                              "run latency benchmarks with the target held whole")
     check_pair(target, draft, tokenizer, draft_tokenizer)
-    if draft is not None and getattr(draft, "reads_features", False) and strategy != "ragged":
+    if draft is not None and abilities_of(draft).reads_features and strategy != "ragged":
         raise ValueError(f"the draft reads the target's features (a feature draft, fast.feature_draft); only "
                          f"strategy='ragged' keeps them, got strategy={strategy!r}")
     from .fast.models import vocab_size

@@ -20,8 +20,8 @@ from ..feature_draft import FeatureBuffer, FeatureCapture, draft_pending_after_f
 from ..layout import VerifyLayout
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, draft_round, observe_round, raise_violations,
                       rect_queries, record_round)
-from ..lookup_draft import LookupFirstDraft, LookupStep, latest_match
-from ..models import vocab_size
+from ..lookup_draft import LookupStep, latest_match
+from ..models import DraftAbilities, vocab_size
 from ..prefill import prefill_into
 from ..slot_cache import SlotCache
 from ..verify import commit_counts, draft_pending_after
@@ -76,24 +76,25 @@ class RaggedEngine:
         self.queue = SlotQueue(slots)
         self.flat_ok = uses_engine_attention(target.model)  # flat verify needs fast.attention in every layer
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
-        lookup_first = draft is not None and isinstance(draft.model, LookupFirstDraft) and settings.reads_confidence
-        self.lookup = draft.model if lookup_first else None  # lookup rows (engine.draft_round) stop on confidence
+        can = draft.abilities if draft is not None else DraftAbilities()  # what the draft declares
+        lookup_first = can.prompt_lookup is not None and settings.reads_confidence
+        self.lookup = can.prompt_lookup if lookup_first else None  # lookup rows (engine.draft_round) stop on confidence
         self.vocab = vocab_size(draft.model) if lookup_first else None
         # the draft step's own options: the engine's lookup replaces the draft's (one lookup a step), and
         # a restricted head's logits stay restricted (fast.reduced_head.SubsetLogits; greedy reads them as they are)
         self.draft_options = {}
         if lookup_first:
             self.draft_options["engine_lookup"] = True
-        if draft is not None and getattr(draft.model, "returns_subset", False):
+        if can.returns_subset:
             self.draft_options["subset_logits"] = True
         # a draft whose rows are independent and keep no K/V (the feature head) computes, at each step,
         # only the rows still drafting by the model (engine.draft_round's `needed`)
-        self.draft_row_subset = draft is not None and bool(getattr(draft.model, "computes_row_subset", False))
+        self.draft_row_subset = can.computes_row_subset
         # the engine's attention groups rows by length: only for a model that runs it
         self.grouped = {name: uses_engine_attention(runner.model) for name, runner in (("target", target),
                                                                                        ("draft", draft)) if runner}
         # a feature draft (fast.feature_draft) reads the target's features of each row's content
-        self.reads_features = draft is not None and draft.reads_features
+        self.reads_features = can.reads_features
         if self.reads_features:
             hidden = int(draft.model.config.hidden_size)
             self.features = FeatureBuffer(slots, capacity, hidden, settings.dtype, dev)
