@@ -18,8 +18,8 @@ from ...reference.pool import SlotQueue
 from ..attention import flat_plan, uses_engine_attention
 from ..feature_draft import FeatureBuffer, FeatureCapture, draft_pending_after_features
 from ..layout import VerifyLayout
-from ..engine import (Arrivals, Settings, Stats, check_cache_row, draft_round, observe_round, raise_violations,
-                      rect_queries, record_round)
+from ..engine import (Arrivals, Proposals, Settings, Stats, check_cache_row, draft_round, observe_round,
+                      raise_violations, rect_queries, record_round)
 from ..lookup_draft import LookupStep, latest_match
 from ..models import DraftAbilities, vocab_size
 from ..prefill import prefill_into
@@ -193,18 +193,36 @@ class RaggedEngine:
                 self.features.move_row(src, dst, count)
 
     def round(self, round_index: int, on_done) -> None:
+        """One round over the running rows (slots 0..R-1): draft each row's proposals, verify them
+        all in one target forward, commit each row's tokens at its own offset (nothing moves)."""
         s = self.settings
         rows = np.nonzero(self.request >= 0)[0]
         assert len(rows) and rows[-1] == len(rows) - 1, "running rows must be slots 0..R-1 (compact)"
         self.rounds[rows] += 1
         self.last_round = dict(slots=rows.tolist(), queued=len(self.queue.queue))
-        content = self.content_len[rows]
-        remaining = self.budget_end[rows] - content
-        clamp = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(len(rows), dtype=np.int64)
+        content = self.content_len[rows]  # [R] c_i: content before this round's commit
+        remaining = self.budget_end[rows] - content  # [R] tokens each row may still commit
         found: list = []
+        with self.clock("time_draft"):
+            proposals = self.propose(rows, content, remaining, found)
+        with self.clock("time_verify"):
+            choice, accepted, n, hit_eos, queries, verified = self.verify(rows, content, remaining, proposals, found)
+        record_round(s, self.clock, self.request[rows], proposals, accepted, verified)
+        with self.clock("time_align"):
+            self.commit(rows, content, remaining, proposals, choice, accepted, n, hit_eos, queries, found,
+                        round_index, on_done)
+        self.stats.add_round(proposals.proposed, accepted, n)
+        if s.check:
+            found += check_conservation(range(self.arrivals.released), self.queue.members())
+            found += self._check_caches(round_index)
+            raise_violations(found, round_index)
+
+    def propose(self, rows, content, remaining, found) -> Proposals:
+        """The draft's proposals for each row (engine.draft_round: the policy's rule, lookup rows)."""
+        s = self.settings
+        clamp = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(len(rows), dtype=np.int64)
         rows_dev = torch.as_tensor(rows, device=s.device)
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
-        requests, content_t = dev(self.request[rows]), dev(content)
         pending = int(self.draft_pending[rows].max()) if self.draft is not None else 1
 
         def step_forward(step, ids, needed):
@@ -225,55 +243,60 @@ class RaggedEngine:
                                         rows=subset)
             return logits[:, -1]
 
-        with self.clock("time_draft"):
-            proposals = draft_round(step_forward, s, clamp, requests, content_t, s.device,
-                                    self.lookup_drafter(rows_dev, content) if self.lookup is not None else None,
-                                    remaining, waiting=bool(self.queue.queue) or self.arrivals.pending())
-        p = proposals.proposed
+        proposals = draft_round(step_forward, s, clamp, dev(self.request[rows]), dev(content), s.device,
+                                self.lookup_drafter(rows_dev, content) if self.lookup is not None else None,
+                                remaining, waiting=bool(self.queue.queue) or self.arrivals.pending())
         self.stats.lookup_rounds += bool(proposals.steps and not proposals.model_steps)
+        return proposals
+
+    def verify(self, rows, content, remaining, proposals: Proposals, found):
+        """The target's choices [R, W] after each row's pending token and proposals, the accepted
+        proposals, committed tokens and EOS hits per row (host), the queries (checks and trace) and
+        the tokens the forward computed."""
+        s = self.settings
+        rows_dev = torch.as_tensor(rows, device=s.device)
+        dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
+        requests, content_t, p = dev(self.request[rows]), dev(content), proposals.proposed
         width = proposals.width
         drafted = proposals.drafted[:, :width - 1]
         q = None if proposals.q is None else proposals.q[:, :width - 1]
+        last = self.tokens[rows_dev, dev(content - 1)]
+        tokens = torch.cat([last[:, None], drafted], dim=1)  # [R, W]: row i uses its first p_i + 1
+        if s.flat_verify and self.flat_ok:
+            choice, accepted_t, queries, verified = self.verify_flat(tokens, content, p, drafted, q, requests,
+                                                                     content_t, found)
+        else:
+            query_index = content[:, None] - 1 + np.arange(width)[None, :]
+            if self.reads_features:  # features of every verified position (rejected ones are never read)
+                self.capture.route(rows_dev[:, None].expand(-1, width), dev(query_index))
+            logits, pos, mask = self.forward("target", query_index, tokens, found)
+            choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(p), requests, content_t)
+            queries, verified = (rect_queries(pos, mask, p) if s.check or s.trace else None), tokens.numel()
+        n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
+        accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
+        return choice, accepted, n, hit_eos, queries, verified
 
-        with self.clock("time_verify"):
-            last = self.tokens[rows_dev, dev(content - 1)]
-            tokens = torch.cat([last[:, None], drafted], dim=1)  # [R, W]: row i uses its first p_i + 1
-            if s.flat_verify and self.flat_ok:
-                choice, accepted_t, queries, verified = self.verify_flat(tokens, content, p, drafted, q, requests,
-                                                                         content_t, found)
-            else:
-                query_index = content[:, None] - 1 + np.arange(width)[None, :]
-                if self.reads_features:  # features of every verified position (rejected ones are never read)
-                    self.capture.route(rows_dev[:, None].expand(-1, width), dev(query_index))
-                logits, pos, mask = self.forward("target", query_index, tokens, found)
-                choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(p), requests, content_t)
-                queries, verified = (rect_queries(pos, mask, p) if s.check or s.trace else None), tokens.numel()
-            n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
-            accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
-        record_round(s, self.clock, self.request[rows], proposals, accepted, verified)
-
-        with self.clock("time_align"):
-            # the commit: write the target's choices at each row's own offset; nothing else moves
-            columns = dev(content[:, None] + np.arange(width)[None, :])
-            self.tokens[rows_dev[:, None], columns] = choice
-            finished = (hit_eos == 1) | (n == remaining)
-            observe_round(s, found, round_index, dict(
-                requests=self.request[rows], prompt_len=self.prompt_len[rows], tokens=self._contents(rows, content),
-                pad_len=np.zeros(len(rows)), content_len=content), queries, proposals, choice, accepted, n,
-                remaining, finished)
-            self.content_len[rows] = content + n
-            if self.reads_features:  # K/V from the draft's own feature estimates are never kept
-                self.draft_pending[rows] = draft_pending_after_features(n, proposals.model_steps,
-                                                                        self.draft_pending[rows])
-            elif self.draft is not None:
-                self.draft_pending[rows] = draft_pending_after(n, accepted, proposals.model_steps,
-                                                             self.draft_pending[rows])
-            self._release(rows[finished], hit_eos[finished], on_done)
-        self.stats.add_round(p, accepted, n)
-        if s.check:
-            found += check_conservation(range(self.arrivals.released), self.queue.members())
-            found += self._check_caches(round_index)
-            raise_violations(found, round_index)
+    def commit(self, rows, content, remaining, proposals: Proposals, choice, accepted, n, hit_eos, queries, found,
+               round_index: int, on_done) -> None:
+        """Write the target's choices at each row's own offset and add n_i to its content (no cache
+        data moves); release the rows that finished."""
+        s = self.settings
+        rows_dev = torch.as_tensor(rows, device=s.device)
+        columns = torch.as_tensor(content[:, None] + np.arange(proposals.width)[None, :], device=s.device)
+        self.tokens[rows_dev[:, None], columns] = choice
+        finished = (hit_eos == 1) | (n == remaining)
+        observe_round(s, found, round_index, dict(
+            requests=self.request[rows], prompt_len=self.prompt_len[rows], tokens=self._contents(rows, content),
+            pad_len=np.zeros(len(rows)), content_len=content), queries, proposals, choice, accepted, n,
+            remaining, finished)
+        self.content_len[rows] = content + n
+        if self.reads_features:  # K/V from the draft's own feature estimates are never kept
+            self.draft_pending[rows] = draft_pending_after_features(n, proposals.model_steps,
+                                                                    self.draft_pending[rows])
+        elif self.draft is not None:
+            self.draft_pending[rows] = draft_pending_after(n, accepted, proposals.model_steps,
+                                                         self.draft_pending[rows])
+        self._release(rows[finished], hit_eos[finished], on_done)
 
     def verify_flat(self, tokens, content, proposed, drafted, q, requests, content_t, found):
         """One target forward over every row's own queries laid end to end (fast.layout.VerifyLayout):
