@@ -248,9 +248,6 @@ MUTANTS = [
     # ---- tensor parallelism
     ("tp-clock-not-agreed", "tensor parallel", "specbatch/api.py",
      "agree = clock_agreement(target)  # None unless", "agree = None  # None unless", TENSOR_PARALLEL),
-    ("tp-prepacked-sharded-target", "tensor parallel", "fast/backend.py",
-     "return [m for m in models if m is not None and not sharded(m)]", "return [m for m in models if m is not None]",
-     TENSOR_PARALLEL),
     ("tp-group-splits-requests-by-rank", "tensor parallel", "specbatch/distributed.py",
      "mine = shard(len(prompts), group.dp_rank, group.dp_size)", "mine = shard(len(prompts), rank, size)",
      TENSOR_PARALLEL),
