@@ -106,6 +106,16 @@ def test_the_cli_refuses_a_target_without_a_plan_in_one_line(tmp_path):
     assert "specbatch/tensor_parallel.py" not in done.stderr  # no traceback through specbatch
 
 
+@pytest.mark.full  # a torchrun launch
+def test_verify_under_tensor_parallelism_names_its_reference(folders):
+    done = torchrun(2, "-m", "specbatch", "verify", "--target", str(folders / "target"), "--draft",
+                    str(folders / "draft"), "--prompts", str(folders / "prompts.jsonl"), "--dtype", "float64",
+                    "--max-new-tokens", "8", "--batch-size", "3", "--tensor-parallel", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reference: target-only greedy decoding at batch 1 under the same sharding (tensor parallel 2)" in done.stderr
+    assert done.stdout.count(f"exact match: {4 * len(PROMPTS)}/{4 * len(PROMPTS)}") == 1  # rank 0 reports
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
