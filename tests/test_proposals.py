@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specbatch
 import specbatch.fast.engine as engine
 from hf_models import EOS, VOCAB, oracle, tiny
-from profiles import only_full
+from profiles import examples, only_full
 from specbatch.fast.drafts import ScriptedDraft
 from specbatch.fast.proposals import proposal_lengths
 from specbatch.invariants import InvariantError, check_proposal_lengths, check_trace
@@ -73,6 +73,7 @@ def test_a_length_that_follows_a_neighbour_breaks_the_rule():
 
 
 @pytest.mark.parametrize("strategy", only_full("ragged", "eqspec", "exspec"))
+@settings(max_examples=examples(20))  # each example runs a whole generation with invariants checked
 @given(deviations=st.sets(st.integers(1, 90), max_size=30), k=st.integers(1, 6), batch=st.integers(1, 6),
        threshold=st.floats(0.05, 0.95), floor_share=st.floats(0, 1), seed=st.integers(0, 20),
        budgets=st.lists(st.integers(1, 12), min_size=6, max_size=6))

@@ -135,15 +135,13 @@ def generate_args(root, out, *extra):
 
 @pytest.mark.full  # three launches of 4 processes
 def test_data_and_tensor_parallel_write_the_single_process_file_also_after_a_rank_is_killed(folders, tmp_path):
-    """DP 2 x TP 2 on 4 processes writes the file one process writes; then a run whose tensor-parallel
-    rank 1 is killed mid-way (torchrun stops the others) and is resumed writes it too."""
-    whole, both, out = tmp_path / "whole.jsonl", tmp_path / "both.jsonl", tmp_path / "out.jsonl"
+    """DP 2 x TP 2 on 4 processes, its tensor-parallel rank 1 killed mid-way (torchrun stops the
+    others), then resumed on 4 processes: the file equals the one a single process writes (both
+    launches decode part of the requests, so the file is DP x TP's output throughout)."""
+    whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
     one = subprocess.run([sys.executable, *generate_args(folders, whole)], capture_output=True, text=True,
                          timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    four = torchrun(4, *generate_args(folders, both, "--tensor-parallel", "2"))
-    assert four.returncode == 0, four.stderr[-3000:]
-    assert both.read_bytes() == whole.read_bytes() and not list(tmp_path.glob("both.jsonl.part*"))
 
     def on_disk() -> int:
         files = [out] + list(tmp_path.glob("out.jsonl.part*"))
