@@ -17,7 +17,6 @@ import torch
 
 import specbatch
 from hf_models import PROMPTS, save_folder, tiny
-from profiles import only_full
 from specbatch.fast.equivalence import compare
 from specbatch.tensor_parallel import Parallel, TensorParallelError, check_shardable, layout
 from test_distributed import free_port
@@ -57,7 +56,8 @@ def sharded_runs(tmp_path, arch: str, dtype: torch.dtype):
     return target, draft, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("arch", only_full("llama", "qwen3"))
+@pytest.mark.full  # a torchrun launch; the default profile's torchrun test is the data-parallel one
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_float64_sharded_decoding_equals_the_unsharded_target_for_every_strategy(tmp_path, arch):
     target, draft, runs = sharded_runs(tmp_path, arch, torch.float64)
     whole = specbatch.generate(target, None, PROMPT_IDS, max_new_tokens=10, batch_size=1).sequences
