@@ -140,7 +140,7 @@ class Clock:
     """Accumulates wall time into Stats fields; synchronises CUDA so phases are attributed right.
 
     agree(*seconds) -> seconds: what the proposal policy is told, the same on every rank of a
-    tensor-parallel group (specbatch.tensor_parallel.Parallel.agree); this process's own by default."""
+    tensor-parallel group (specbatch.tensor_parallel.clock_agreement); this process's own by default."""
 
     def __init__(self, stats: Stats, device: torch.device, agree=None):
         self.stats, self.cuda = stats, device.type == "cuda"

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .fast.backend import sharded
-
 
 class TensorParallelError(ValueError):
     """A model or a launch that tensor parallelism cannot serve; the message names the reason."""
@@ -111,10 +109,10 @@ def shard(model, parallel: Parallel):
 
 def mesh_of(model):
     """The device mesh `model`'s weights are sharded over, or None for a model held whole."""
-    if not sharded(model):
+    if not isinstance(model, torch.nn.Module):
         return None
     from torch.distributed.tensor import DTensor
-    return next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+    return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)  # one pass
 
 
 def clock_agreement(model):
