@@ -32,7 +32,7 @@ def main():
     from specbatch.fast.loading import load_model
     from specbatch.fast.models import ModelRunner, mask_fill_value
     from specbatch.fast.slot_cache import SlotCache
-    from specbatch.fast.strategies.ragged import ragged_inputs
+    from specbatch.fast.slot_forward import ragged_inputs
 
     model, tokenizer = load_model(args.target, args.dtype)
     prompts = select_prompts(args.prompts, args.per_category)

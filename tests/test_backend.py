@@ -78,7 +78,7 @@ def test_prepacked_linears_and_wide_kv_only_where_the_backend_wants_them(monkeyp
     assert bool(packed) == (backend == "cpu" and kernels.available())
     from specbatch.fast.engine import Settings
     from specbatch.fast.models import ModelRunner
-    from specbatch.fast.strategies.ragged import storage_dtype
+    from specbatch.fast.slot_forward import storage_dtype
     half = tiny("llama", dtype=torch.bfloat16)
     settings = Settings(k=0, eos_ids=(), window=None, dtype=torch.bfloat16, device=half.device, fill=-1e4,
                         backend=CHOICES[backend])

@@ -229,14 +229,15 @@ def test_ragged_moves_no_cache_data_and_keeps_the_batch_full():
                           [3, 9, 5, 12, 2, 7], settings, stats, Clock(stats, settings.device), slots=3)
     done = {}
     engine.admit()
-    pointers = {name: [layer.keys.data_ptr() for layer in cache.layers] for name, cache in engine.caches.items()}
+    caches = {"target": engine.cache, "draft": engine.proposer.cache}
+    pointers = {name: [layer.keys.data_ptr() for layer in cache.layers] for name, cache in caches.items()}
     rounds = 0
     while engine.queue.queue or (engine.request >= 0).any():
         rounds += 1
         engine.step(rounds, lambda r, tokens, reason, n: done.setdefault(r, tokens))
         if engine.last_round["queued"]:
             assert len(engine.last_round["slots"]) == engine.slots
-    assert {name: [layer.keys.data_ptr() for layer in cache.layers] for name, cache in engine.caches.items()} == pointers
+    assert {name: [layer.keys.data_ptr() for layer in cache.layers] for name, cache in caches.items()} == pointers
     assert [done[r] for r in range(len(PROMPTS))] == oracle(target, PROMPTS, [3, 9, 5, 12, 2, 7], [EOS])
 
 

@@ -205,7 +205,7 @@ def test_the_feature_buffer_holds_the_targets_features_of_each_finished_row():
         slot = int(np.nonzero(engine.request == request)[0][0])
         content = PROMPTS[request] + tokens
         want = target.model(input_ids=torch.tensor([content[:-1]])).last_hidden_state[0]
-        torch.testing.assert_close(engine.features.data[slot, :len(content) - 1], want, rtol=1e-7, atol=1e-9)
+        torch.testing.assert_close(engine.proposer.features.data[slot, :len(content) - 1], want, rtol=1e-7, atol=1e-9)
         seen.append(request)
 
     with torch.no_grad():

@@ -147,9 +147,9 @@ def test_rows_stop_at_different_steps(strategy):
         lengths.append(list(proposals.proposed))
         return proposals
     draft_round = engine.draft_round
-    module = {"eqspec": "eqspec", "exspec": "eqspec", "ragged": "ragged"}[strategy]
+    module = {"eqspec": "strategies.eqspec", "exspec": "strategies.eqspec", "ragged": "proposer"}[strategy]
     import importlib
-    mod = importlib.import_module(f"specbatch.fast.strategies.{module}")
+    mod = importlib.import_module(f"specbatch.fast.{module}")
     original = mod.draft_round
     mod.draft_round = spy
     try:
@@ -185,8 +185,8 @@ def neighbour_rule(monkeypatch):
         proposals.proposed = np.roll(proposals.proposed, 1) if len(proposals.proposed) > 1 else proposals.proposed
         proposals.proposed = np.minimum(proposals.proposed, proposals.steps)
         return proposals
-    for name in ("eqspec", "ragged"):
-        monkeypatch.setattr(f"specbatch.fast.strategies.{name}.draft_round", draft_round)
+    for name in ("strategies.eqspec", "proposer"):
+        monkeypatch.setattr(f"specbatch.fast.{name}.draft_round", draft_round)
 
 
 def verify_past_proposal(monkeypatch):

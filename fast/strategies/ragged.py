@@ -16,26 +16,15 @@ import torch
 from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
 from ..attention import flat_plan, uses_engine_attention
-from ..feature_draft import FeatureBuffer, FeatureCapture, draft_pending_after_features
+from ..feature_draft import FeatureCapture
 from ..layout import VerifyLayout
-from ..engine import (Arrivals, Proposals, Settings, Stats, check_cache_row, draft_round, observe_round,
-                      raise_violations, rect_queries, record_round)
-from ..lookup_draft import LookupStep, latest_match
-from ..models import DraftAbilities, vocab_size
+from ..engine import Arrivals, Proposals, Settings, Stats, check_cache_row, observe_round, raise_violations, \
+    rect_queries, record_round
 from ..prefill import prefill_into
+from ..proposer import proposer_for
 from ..slot_cache import SlotCache
-from ..verify import commit_counts, draft_pending_after
-
-
-def ragged_inputs(query_index: torch.Tensor, kv_len: int, window: int | None, dtype, fill: float):
-    """Position ids [R, Q] and the 4D mask [R, 1, Q, kv_len]: query q sees slots 0..q (I2, I4)."""
-    slot = torch.arange(kv_len, device=query_index.device)[None, None, :]
-    q = query_index[:, :, None]
-    visible = slot <= q
-    if window is not None:
-        visible &= slot > q - window
-    mask = torch.zeros(visible.shape, dtype=dtype, device=query_index.device).masked_fill_(~visible, fill)
-    return query_index.clamp(min=0), mask[:, None]
+from ..slot_forward import slot_forward, storage_dtype
+from ..verify import commit_counts
 
 
 def flat_queries(plan, rows: int) -> list:
@@ -50,13 +39,6 @@ def flat_queries(plan, rows: int) -> list:
     return out
 
 
-def storage_dtype(runner, settings: Settings):
-    """float32 K/V for a half-precision model whose attention is ours where the backend widens it
-    (fast.backend.wide_half_kv: on a CPU); otherwise the model's own dtype."""
-    half = settings.dtype in (torch.bfloat16, torch.float16) and settings.backend.wide_half_kv
-    return torch.float32 if half and uses_engine_attention(runner.model) else None
-
-
 class RaggedEngine:
     def __init__(self, target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, slots: int):
         self.target, self.draft, self.settings, self.stats, self.clock = target, draft, settings, stats, clock
@@ -69,77 +51,17 @@ class RaggedEngine:
         self.content_len = np.zeros(slots, dtype=np.int64)
         self.prompt_len = np.zeros(slots, dtype=np.int64)
         self.budget_end = np.zeros(slots, dtype=np.int64)
-        self.draft_pending = np.ones(slots, dtype=np.int64)
         self.rounds = np.zeros(slots, dtype=np.int64)  # rounds the slot's request has run
-        self.caches = {name: SlotCache(runner.num_layers, slots, capacity, dev, storage_dtype(runner, settings))
-                       for name, runner in (("target", target), ("draft", draft)) if runner is not None}
+        self.cache = SlotCache(target.num_layers, slots, capacity, dev, storage_dtype(target, settings))
+        self.proposer = proposer_for(draft, settings, self.tokens, slots, capacity)  # the draft's side (fast.proposer)
         self.queue = SlotQueue(slots)
-        self.flat_ok = uses_engine_attention(target.model)  # flat verify needs fast.attention in every layer
+        self.grouped = uses_engine_attention(target.model)  # the engine's attention groups rows by length
+        self.flat_ok = self.grouped  # flat verify needs fast.attention in every layer
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
-        can = draft.abilities if draft is not None else DraftAbilities()  # what the draft declares
-        lookup_first = can.prompt_lookup is not None and settings.reads_confidence
-        self.lookup = can.prompt_lookup if lookup_first else None  # lookup rows (engine.draft_round) stop on confidence
-        self.vocab = vocab_size(draft.model) if lookup_first else None
-        # the draft step's own options: the engine's lookup replaces the draft's (one lookup a step), and
-        # a restricted head's logits stay restricted (fast.reduced_head.SubsetLogits; greedy reads them as they are)
-        self.draft_options = {}
-        if lookup_first:
-            self.draft_options["engine_lookup"] = True
-        if can.returns_subset:
-            self.draft_options["subset_logits"] = True
-        # a draft whose rows are independent and keep no K/V (the feature head) computes, at each step,
-        # only the rows still drafting by the model (engine.draft_round's `needed`)
-        self.draft_row_subset = can.computes_row_subset
-        # the engine's attention groups rows by length: only for a model that runs it
-        self.grouped = {name: uses_engine_attention(runner.model) for name, runner in (("target", target),
-                                                                                       ("draft", draft)) if runner}
         # a feature draft (fast.feature_draft) reads the target's features of each row's content
-        self.reads_features = can.reads_features
-        if self.reads_features:
-            hidden = int(draft.model.config.hidden_size)
-            self.features = FeatureBuffer(slots, capacity, hidden, settings.dtype, dev)
-            self.capture = FeatureCapture(target.model, self.features)
-
-    def lookup_drafter(self, rows_dev, content: np.ndarray):
-        """lookup_step of engine.draft_round for this round's rows: the lookup-first draft's prompt
-        lookup over each row's tokens (content 0..c_i - 1, then the round's proposals), run on the
-        token buffer itself (no cache: a round of lookup rows alone leaves the draft's cache as it is)."""
-        s, rows = self.settings, len(content)
-        min_match = self.lookup.min_match
-        width = int(content.max()) + s.k
-        work = self.tokens[rows_dev, :width].clone()
-        length = torch.as_tensor(content, device=s.device)
-        column = torch.arange(width, device=s.device)[None, :]
-        row_index = torch.arange(rows, device=s.device)
-
-        def step(step, ids):
-            if ids is not None:  # the previous step's tokens follow each row's content
-                work[row_index, length + step - 1] = ids[:, 0]
-            history = torch.where(column < (length + step)[:, None], work, torch.full_like(work, -1))
-            proposal, matched = latest_match(history, length + step - 1, self.lookup.max_ngram, min_match)
-            return LookupStep(proposal, matched, self.vocab, s.dtype)
-        return step
-
-    def forward(self, name, query_index: np.ndarray, ids, found, last_only=False, features=None, rows=None):
-        """One forward of `name` over the running slot rows 0..R-1 with per-row query indices.
-        rows: the draft's rows to compute (a device tensor; None: all), see draft_row_subset."""
-        s = self.settings
-        cache = self.caches[name]
-        q = torch.as_tensor(query_index, device=s.device)
-        cache.prepare(len(query_index), q, int(query_index.max()) + 1)  # host numpy: no device sync
-        pos, mask = ragged_inputs(q, cache.kv_len, s.window, s.dtype, s.fill)
-        if s.check:
-            slot = np.broadcast_to(np.arange(cache.kv_len), (len(query_index), cache.kv_len))
-            found += check_positions(pos, query_index) + check_mask(mask, query_index, slot, s.window)
-        runner = self.target if name == "target" else self.draft
-        # each row's visible length: the engine's attention reads no further
-        kv_lens = query_index.max(axis=1) + 1 if self.grouped[name] else None
-        extra = {} if features is None else {"features": features}
-        if name == "draft":
-            extra.update(self.draft_options)
-            if rows is not None:
-                extra["rows"] = rows
-        return runner(ids, pos, mask, cache, last_only=last_only, kv_lens=kv_lens, **extra), pos, mask
+        self.capture = None
+        if self.proposer.features is not None:
+            self.capture = FeatureCapture(target.model, self.proposer.features)
 
     def admit(self) -> None:
         """Prefill newly placed requests into their slots, in one forward per model."""
@@ -158,24 +80,15 @@ class RaggedEngine:
             [p + [0] * (width - len(p)) for p in prompts], device=dev)  # content j in column j
         self.request[slots], self.content_len[slots], self.prompt_len[slots] = requests, lens, lens
         self.budget_end[slots] = lens + np.array([self.max_new[r] for r in requests])
-        self.draft_pending[slots], self.rounds[slots] = 1, 0
+        self.rounds[slots] = 0
         found = [] if self.settings.check else None
         with self.clock("time_prefill"):  # everything but each prompt's pending last token, packed
-            for name, runner in (("target", self.target), ("draft", self.draft)):
-                if runner is not None:
-                    prefill_into(runner, self.caches[name], [p[:-1] for p in prompts], slots.tolist(),
-                                 [0] * len(prompts), self.settings, found, self._feature_route(name))
+            route = self.capture.route if self.capture is not None else None  # the target's features, for the draft
+            prefill_into(self.target, self.cache, [p[:-1] for p in prompts], slots.tolist(), [0] * len(prompts),
+                         self.settings, found, route)
+            self.proposer.prefill(prompts, slots, found)
         if found:
             raise_violations(found, 0)
-
-    def _feature_route(self, name: str):
-        """prefill_into's route for a feature draft: the target's features of each prompt token go to
-        the buffer, the draft reads them (both at once per pack: the target's prefill comes first)."""
-        if not self.reads_features:
-            return None
-        if name == "target":
-            return self.capture.route
-        return lambda rows, index: {"features": self.features.inputs(rows, index)}
 
     def compact(self) -> None:
         """Keep the running rows in slots 0..R-1 (SlotQueue.compact): a hole left by a finished row
@@ -183,14 +96,11 @@ class RaggedEngine:
         for src, dst in self.queue.compact():
             count = int(self.content_len[src])
             self.tokens[dst, :count] = self.tokens[src, :count]
-            for array in (self.request, self.content_len, self.prompt_len, self.budget_end, self.draft_pending,
-                          self.rounds):
+            for array in (self.request, self.content_len, self.prompt_len, self.budget_end, self.rounds):
                 array[dst] = array[src]
             self.request[src] = -1
-            for cache in self.caches.values():
-                cache.move_row(src, dst, count)
-            if self.reads_features:
-                self.features.move_row(src, dst, count)
+            for side in (self.cache, self.proposer):
+                side.move_row(src, dst, count)
 
     def round(self, round_index: int, on_done) -> None:
         """One round over the running rows (slots 0..R-1): draft each row's proposals, verify them
@@ -218,34 +128,10 @@ class RaggedEngine:
             raise_violations(found, round_index)
 
     def propose(self, rows, content, remaining, found) -> Proposals:
-        """The draft's proposals for each row (engine.draft_round: the policy's rule, lookup rows)."""
-        s = self.settings
-        clamp = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(len(rows), dtype=np.int64)
-        rows_dev = torch.as_tensor(rows, device=s.device)
-        dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
-        pending = int(self.draft_pending[rows].max()) if self.draft is not None else 1
-
-        def step_forward(step, ids, needed):
-            features, subset = None, None
-            if self.draft_row_subset and not needed.all():
-                subset = dev(np.nonzero(needed)[0])
-            if ids is None:  # re-feed each row's last `pending` tokens (identical K/V where already cached)
-                query_index = content[:, None] - pending + np.arange(pending)[None, :]
-                ids = self.tokens[rows_dev[:, None], dev(np.maximum(query_index, 0))]
-                if self.reads_features:  # the target's f_{j-1} for each re-fed token j
-                    features = self.features.inputs(rows_dev[:, None], dev(np.maximum(query_index, 0)))
-            else:
-                query_index = content[:, None] + step - 1
-                estimate = self.draft.last_features
-                if self.reads_features and estimate is not None:  # past the content: the draft's own estimate
-                    features = estimate[:, -1:]                    # from the step before (else it reads none)
-            logits, _, _ = self.forward("draft", query_index, ids, found, last_only=True, features=features,
-                                        rows=subset)
-            return logits[:, -1]
-
-        proposals = draft_round(step_forward, s, clamp, dev(self.request[rows]), dev(content), s.device,
-                                self.lookup_drafter(rows_dev, content) if self.lookup is not None else None,
-                                remaining, waiting=bool(self.queue.queue) or self.arrivals.pending())
+        """Each row's proposals from the proposer (fast.proposer; engine.draft_round applies the policy)."""
+        requests = torch.as_tensor(self.request[rows], device=self.settings.device)
+        waiting = bool(self.queue.queue) or self.arrivals.pending()
+        proposals = self.proposer.propose(rows, content, remaining, requests, waiting, found)
         self.stats.lookup_rounds += bool(proposals.steps and not proposals.model_steps)
         return proposals
 
@@ -267,9 +153,9 @@ class RaggedEngine:
                                                                      content_t, found)
         else:
             query_index = content[:, None] - 1 + np.arange(width)[None, :]
-            if self.reads_features:  # features of every verified position (rejected ones are never read)
+            if self.capture is not None:  # features of every verified position (rejected ones are never read)
                 self.capture.route(rows_dev[:, None].expand(-1, width), dev(query_index))
-            logits, pos, mask = self.forward("target", query_index, tokens, found)
+            logits, pos, mask = slot_forward(self.target, self.cache, query_index, tokens, s, found, self.grouped)
             choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(p), requests, content_t)
             queries, verified = (rect_queries(pos, mask, p) if s.check or s.trace else None), tokens.numel()
         n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
@@ -290,12 +176,7 @@ class RaggedEngine:
             pad_len=np.zeros(len(rows)), content_len=content), queries, proposals, choice, accepted, n,
             remaining, finished)
         self.content_len[rows] = content + n
-        if self.reads_features:  # K/V from the draft's own feature estimates are never kept
-            self.draft_pending[rows] = draft_pending_after_features(n, proposals.model_steps,
-                                                                    self.draft_pending[rows])
-        elif self.draft is not None:
-            self.draft_pending[rows] = draft_pending_after(n, accepted, proposals.model_steps,
-                                                         self.draft_pending[rows])
+        self.proposer.update(rows, n, accepted, proposals)
         self._release(rows[finished], hit_eos[finished], on_done)
 
     def verify_flat(self, tokens, content, proposed, drafted, q, requests, content_t, found):
@@ -304,13 +185,13 @@ class RaggedEngine:
         s = self.settings
         layout = VerifyLayout.of(proposed, content)
         plan = flat_plan(layout.token_row, layout.token_index, s.window, s.dtype, s.fill, s.device)
-        cache = self.caches["target"]
+        cache = self.cache
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
         cache.prepare_flat(dev(layout.token_row), dev(layout.token_index), len(proposed),
                            int(layout.token_index.max()) + 1)
         ids = tokens[dev(layout.token_row), dev(layout.column)][None]
         pos = dev(layout.token_index)[None]
-        if self.reads_features:  # features of every verified position (rejected ones are never read)
+        if self.capture is not None:  # features of every verified position (rejected ones are never read)
             self.capture.route(dev(layout.token_row)[None], pos)
         hidden = torch.full((1, 1, 1, 1), s.fill, dtype=s.dtype, device=s.device).expand(1, 1, layout.tokens,
                                                                                          cache.kv_len)
@@ -346,23 +227,17 @@ class RaggedEngine:
             self.request[slot] = -1
 
     def _check_caches(self, round_index):
-        """I3 on one sampled row per round (round robin): slots 0.. hold a fresh prefill's K/V."""
+        """I3 on one sampled row per round (round robin): slots 0.. hold a fresh prefill's K/V (the
+        target's of the content but its pending last token; the draft's, fast.proposer)."""
         rows = np.nonzero(self.request >= 0)[0]
         if len(rows) == 0:
             return []
         row = int(rows[round_index % len(rows)])
         content = self.tokens[row, :self.content_len[row]].tolist()
-        found = []
-        for name, runner, pending in (("target", self.target, 1), ("draft", self.draft, self.draft_pending[row])):
-            if runner is not None:
-                cache, prefix = self.caches[name], content[:len(content) - int(pending)]
-                features = None
-                if name == "draft" and self.reads_features:  # the fresh prefill reads the recorded features
-                    features = self.features.inputs(torch.full((1, len(prefix)), row, device=self.settings.device),
-                                                    torch.arange(len(prefix), device=self.settings.device)[None])
-                found += check_cache_row(runner, lambda layer: cache.slot_values(layer, row, len(prefix)), row,
-                                         prefix, 0, self.settings, f"{name} cache", features)
-        return found
+        prefix = content[:-1]
+        found = check_cache_row(self.target, lambda layer: self.cache.slot_values(layer, row, len(prefix)), row,
+                                prefix, 0, self.settings, "target cache")
+        return found + self.proposer.check_cache(row, content)
 
     def run(self, on_done) -> None:
         round_index = 0
@@ -380,7 +255,7 @@ class RaggedEngine:
 
     def close(self) -> None:
         """Remove the feature hook from the target (a feature draft's engine only)."""
-        if self.reads_features:
+        if self.capture is not None:
             self.capture.close()
 
     def step(self, round_index: int, on_done) -> bool:

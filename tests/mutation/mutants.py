@@ -33,7 +33,7 @@ MUTANTS = [
     ("mask-window-off-by-one", "masks", "fast/cache.py",
      "visible &= slot[:, None, :] > query[:, :, None] - window",
      "visible &= slot[:, None, :] >= query[:, :, None] - window", ENGINE),
-    ("ragged-mask-sees-future", "masks", "fast/strategies/ragged.py",
+    ("ragged-mask-sees-future", "masks", "fast/slot_forward.py",
      "    visible = slot <= q\n", "    visible = slot <= q + 1\n", RAGGED),
     ("flat-mask-sees-future", "masks", "fast/attention.py",
      "seen = (slot <= query[:, :, None]) & real[:, :, None]",
@@ -46,7 +46,7 @@ MUTANTS = [
     # ---- positions
     ("rect-positions-shifted", "positions", "fast/cache.py",
      "return query.clamp(min=0), mask[:, None]", "return (query + 1).clamp(min=0), mask[:, None]", ENGINE),
-    ("ragged-draft-step-position", "positions", "fast/strategies/ragged.py",
+    ("ragged-draft-step-position", "positions", "fast/proposer.py",
      "query_index = content[:, None] + step - 1", "query_index = content[:, None] + step", RAGGED),
     ("ragged-verify-position", "positions", "fast/strategies/ragged.py",
      "query_index = content[:, None] - 1 + np.arange(width)[None, :]",
@@ -63,7 +63,7 @@ MUTANTS = [
     # harness reported it as surviving, which is how this was found.)
     # (count - 1 would be equivalent: every verify rewrites the K/V of a row's last content token.)
     ("compaction-moves-two-slots-short", "cache", "fast/strategies/ragged.py",
-     "cache.move_row(src, dst, count)", "cache.move_row(src, dst, count - 2)", RAGGED),
+     "side.move_row(src, dst, count)", "side.move_row(src, dst, count - 2)", RAGGED),
     ("slot-write-one-slot-late", "cache", "fast/slot_cache.py",
      "* capacity + index[:, None, :]).reshape(-1)", "* capacity + index[:, None, :] + 1).reshape(-1)", RAGGED),
     ("draft-pending-after-full-accept", "cache", "fast/verify.py",
@@ -90,8 +90,8 @@ MUTANTS = [
     # to remaining - 1 first, so accepted + 1 <= remaining already; the harness found it equivalent.)
     ("ragged-budget-off-by-one", "budgets", "fast/strategies/ragged.py",
      "remaining = self.budget_end[rows] - content", "remaining = self.budget_end[rows] - content + 1", RAGGED),
-    ("ragged-draft-past-budget", "budgets", "fast/strategies/ragged.py",
-     "clamp = np.minimum(s.k, remaining - 1) if self.draft", "clamp = np.minimum(s.k, remaining) if self.draft",
+    ("ragged-draft-past-budget", "budgets", "fast/proposer.py",
+     "clamp = np.minimum(s.k, remaining - 1)\n", "clamp = np.minimum(s.k, remaining)\n",
      RAGGED + PROPOSALS),
     ("eqspec-draft-past-budget", "budgets", "fast/strategies/eqspec.py",
      "clamp = np.minimum(s.k, remaining - 1) if self.draft", "clamp = np.minimum(s.k, remaining) if self.draft",
