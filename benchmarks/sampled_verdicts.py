@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from transformers import PreTrainedModel
+
 from specbatch.machine import describe_machine
 from specbatch.prepare import load
 from specbatch.sampled import SampledVectors, check_samples, load_sampled_vectors, read_sampled_outputs
@@ -50,11 +52,15 @@ def main():
     target, draft, _ = load(a.target, a.draft, dtype=vectors.manifest["dtype"])
     smaller = dict(item.split("=") for item in a.samples_for)
     only = {name: names.split(",") for name, names in (item.split("=") for item in a.settings_for)}
+    # transformers assists only with a plain Hugging Face model: a reduced-head draft (fast.reduced_head)
+    # lends it the model it wraps (the same weights with the whole head)
+    assistant = draft if isinstance(draft, PreTrainedModel) else draft.model
     make = {"specbatch-rejection": lambda: specbatch_sampling_engine(target, draft, "rejection"),
             "specbatch-coupled": lambda: specbatch_sampling_engine(target, draft, "coupled"),
             "transformers-sample": lambda: hf_sampling_engine(target),
-            "transformers-assisted": lambda: hf_sampling_engine(target, draft)}
+            "transformers-assisted": lambda: hf_sampling_engine(target, assistant)}
     results = []
+    command = "python benchmarks/sampled_verdicts.py " + " ".join(sys.argv[1:])
 
     def judge(name, these, outputs, engine_seconds, batch_size):
         start = time.perf_counter()
@@ -67,6 +73,7 @@ def main():
         print(f"{name}: {'CONFORMANT' if report.conformant else 'NOT CONFORMANT'} p = {report.p_value():.3g}, "
               f"engine {engine_seconds} s, checker {seconds:.1f} s", flush=True)
         print(report.table(), flush=True)
+        write(out, command, a.target, a.draft, results)  # after every engine: a later failure loses nothing
 
     for name in [e for e in a.engines.split(",") if e]:
         these = subset(vectors, int(smaller.get(name, vectors.manifest["samples"])), only.get(name))
@@ -77,10 +84,13 @@ def main():
         name, _, path = item.partition("=")
         these = subset(vectors, int(smaller.get(name, vectors.manifest["samples"])), only.get(name))
         judge(name, these, read_sampled_outputs(path), None, vectors.manifest["batch_size"])
+
+
+def write(out: Path, command: str, target: str, draft: str, results: list) -> None:
+    """verdicts.json and verdicts.md of the engines judged so far."""
     machine = describe_machine()
-    command = "python benchmarks/sampled_verdicts.py " + " ".join(sys.argv[1:])
-    (out / "verdicts.json").write_text(json.dumps(dict(command=command, machine=machine, target=a.target,
-                                                       draft=a.draft, results=results), indent=1) + "\n")
+    (out / "verdicts.json").write_text(json.dumps(dict(command=command, machine=machine, target=target,
+                                                       draft=draft, results=results), indent=1) + "\n")
     lines = ["# Sampled checker: verdicts on real engines", "", f"Command: `{command}`",
              f"Machine: {machine['summary']}", "",
              "| engine | rows (samples per request) | engine s | checker s | p-value | verdict |",
