@@ -64,6 +64,8 @@ MUTANTS = [
     # (count - 1 would be equivalent: every verify rewrites the K/V of a row's last content token.)
     ("compaction-moves-two-slots-short", "cache", "fast/strategies/ragged.py",
      "side.move_row(src, dst, count)", "side.move_row(src, dst, count - 2)", RAGGED),
+    ("compaction-forgets-draft-pending", "cache", "fast/proposer.py",
+     "        self.pending[dst] = self.pending[src]\n", "", RAGGED + ["tests/test_engine_state_machine.py"]),
     ("slot-write-one-slot-late", "cache", "fast/slot_cache.py",
      "* capacity + index[:, None, :]).reshape(-1)", "* capacity + index[:, None, :] + 1).reshape(-1)", RAGGED),
     ("draft-pending-after-full-accept", "cache", "fast/verify.py",
