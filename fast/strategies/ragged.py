@@ -5,8 +5,10 @@ j with position j. A round drafts and verifies exactly as EQSPEC does, but every
 K/V at its own offsets and the commit only writes token ids and adds to content_len: no cache data
 moves. A finished row frees its slot at once; the next queued request takes it and is prefilled
 in one forward before the next round (reference.pool.SlotQueue is the scheduler, shared with the
-reference). See proofs_notes/ragged.md. A draft that reads the target's features (fast.feature_draft)
-runs only here: each slot row also keeps the target's features of its content (proofs_notes/feature_drafts.md).
+reference). See proofs_notes/ragged.md. The engine holds the target's side; the draft's side (its
+slot cache, pending tokens, proposals) is a proposer (fast.proposer). A draft that reads the target's
+features (fast.feature_draft) runs only here: each slot row also keeps the target's features of its
+content (proofs_notes/feature_drafts.md).
 """
 from __future__ import annotations
 
