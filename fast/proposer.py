@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .attention import uses_engine_attention
 from .engine import Proposals, Settings, check_cache_row, draft_round
 from .feature_draft import FeatureBuffer, draft_pending_after_features
 from .lookup_draft import LookupStep, latest_match
@@ -28,7 +29,6 @@ from .prefill import prefill_into
 from .slot_cache import SlotCache
 from .slot_forward import slot_forward, storage_dtype
 from .verify import draft_pending_after
-from .attention import uses_engine_attention
 
 
 class NoDraft:

@@ -26,7 +26,8 @@ def ragged_inputs(query_index: torch.Tensor, kv_len: int, window: int | None, dt
 def slot_forward(runner, cache, query_index: np.ndarray, ids, settings, found, grouped: bool, last_only=False,
                  **extra):
     """runner's forward over cache rows 0..R-1 at query_index [R, Q] (host; -1 pads a row's tail);
-    grouped: the model runs the engine's attention (uses_engine_attention, asked once per engine). Returns (the runner's output, positions, mask); adds I2/I4 violations to `found` under settings.check."""
+    grouped: the model runs the engine's attention (uses_engine_attention, asked once per engine).
+    Returns (the runner's output, positions, mask); adds I2/I4 violations to `found` under settings.check."""
     s = settings
     q = torch.as_tensor(query_index, device=s.device)
     cache.prepare(len(query_index), q, int(query_index.max()) + 1)  # host numpy: no device sync

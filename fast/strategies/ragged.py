@@ -43,7 +43,7 @@ def flat_queries(plan, rows: int) -> list:
 
 class RaggedEngine:
     def __init__(self, target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, slots: int):
-        self.target, self.draft, self.settings, self.stats, self.clock = target, draft, settings, stats, clock
+        self.target, self.settings, self.stats, self.clock = target, settings, stats, clock
         self.prompts, self.max_new, self.slots = prompts, max_new, slots
         capacity = max(len(p) + m for p, m in zip(prompts, max_new)) + settings.k + 1
         self.capacity = capacity
@@ -57,8 +57,8 @@ class RaggedEngine:
         self.cache = SlotCache(target.num_layers, slots, capacity, dev, storage_dtype(target, settings))
         self.proposer = proposer_for(draft, settings, self.tokens, slots, capacity)  # the draft's side (fast.proposer)
         self.queue = SlotQueue(slots)
-        self.grouped = uses_engine_attention(target.model)  # the engine's attention groups rows by length
-        self.flat_ok = self.grouped  # flat verify needs fast.attention in every layer
+        # the target runs the engine's attention (which groups rows by length): needed by the flat verify
+        self.grouped = uses_engine_attention(target.model)
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
         # a feature draft (fast.feature_draft) reads the target's features of each row's content
         self.capture = None
@@ -150,7 +150,7 @@ class RaggedEngine:
         q = None if proposals.q is None else proposals.q[:, :width - 1]
         last = self.tokens[rows_dev, dev(content - 1)]
         tokens = torch.cat([last[:, None], drafted], dim=1)  # [R, W]: row i uses its first p_i + 1
-        if s.flat_verify and self.flat_ok:
+        if s.flat_verify and self.grouped:
             choice, accepted_t, queries, verified = self.verify_flat(tokens, content, p, drafted, q, requests,
                                                                      content_t, found)
         else:
