@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from .errors import UserError
@@ -40,6 +42,23 @@ def int_at_least(low: int, words: str):
 
 positive_int = int_at_least(1, "positive")
 non_negative_int = int_at_least(0, "non-negative")
+
+
+def finite_at_least(low: float, strict: bool, words: str):
+    """An argparse type: a finite float above `low` (at least `low` unless strict)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {words} number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"expected a finite {words} number, got {text}")
+        return value
+    return parse
+
+
+positive_float = finite_at_least(0.0, True, "positive")
+non_negative_float = finite_at_least(0.0, False, "non-negative")
 
 
 def probability(text: str) -> float:
@@ -283,6 +302,8 @@ def cmd_conform(args) -> int:
             return _conform_make(args)
         if args.action == "sample":
             return _conform_sample(args)
+        if args.action == "run":
+            return _conform_run(args)
         from .sampled import is_sampled
         if is_sampled(args.vectors):
             return _conform_check_sampled(args)
@@ -352,6 +373,76 @@ def _conform_sample(args) -> int:
     return 0
 
 
+def _conform_run(args) -> int:
+    """Vectors (greedy or sampled) sent to a running server; its answers appended to --out as they arrive."""
+    import hashlib
+    import json
+
+    from .conform import load_vectors
+    from .io import InputError, OutputLock, ResultWriter, check_output_path, read_done
+    from .resume import RECORD_FORMAT, check_same_run, write_record
+    from .sampled import is_sampled, load_sampled_vectors
+    from .serving import ServerEngine, ServerError, run_vectors
+    try:
+        extra = json.loads(args.extra) if args.extra else {}
+    except json.JSONDecodeError as e:
+        raise UserError(f"--extra is not JSON: {e.msg}") from None
+    if not isinstance(extra, dict):
+        raise UserError("--extra must be a JSON object (fields added to every request)")
+    sampled = is_sampled(args.vectors)
+    vectors = load_sampled_vectors(args.vectors) if sampled else load_vectors(args.vectors)
+    ids = [r["id"] for r in (vectors.rows if sampled else vectors.requests)]
+    engine = ServerEngine(args.server, args.api, model=args.model, logprobs=args.logprobs, timeout=args.timeout,
+                          retries=args.retries, seeds=not args.no_seeds, extra=extra)
+    check_output_path(args.out, "--out", {})
+    out = Path(args.out)
+    lock = OutputLock(out)
+    try:
+        record = dict(format=RECORD_FORMAT, kind="server-outputs", vectors=vectors.manifest.get("checksums"),
+                      server=engine.url, api=engine.api, model=args.model, logprobs=args.logprobs, seeds=engine.seeds,
+                      extra=extra, order=None if sampled else args.order)
+        record["vectors_sha256"] = hashlib.sha256(json.dumps(vectors.manifest, sort_keys=True).encode()).hexdigest()
+        has_results = out.exists() and out.stat().st_size > 0
+        previous = {}
+        if args.resume and (has_results or Path(f"{out}.settings.json").exists()):
+            check_same_run(out, record)
+            previous = read_done(out, known_ids=ids)
+        elif has_results and not args.overwrite:
+            raise InputError(f"--out {out} already holds results; pass --resume to send only the missing requests, "
+                             "or --overwrite to replace it")
+        write_record(out, record)
+        for line in engine.limits:
+            print(f"note: {args.api}: {line}", file=sys.stderr)
+        writer = ResultWriter(out, ids, previous)
+        todo = len(ids) - len(previous)
+        print(f"{len(previous)} of {len(ids)} requests already in {out}; sending {todo} to {engine.url} "
+              f"({args.api}, {args.concurrency} at a time)", file=sys.stderr)
+        start, count = time.perf_counter(), [0]
+
+        def keep(row):
+            writer.add(row)
+            count[0] += 1
+            if sys.stderr.isatty() or count[0] == todo or count[0] % max(1, todo // 10) == 0:
+                print(f"\r{count[0]}/{todo} answered", end="" if sys.stderr.isatty() and count[0] < todo else "\n",
+                      file=sys.stderr, flush=True)
+        try:
+            run_vectors(engine, vectors, concurrency=args.concurrency, order=args.order, done=previous, on_answer=keep)
+        except (ServerError, KeyboardInterrupt) as e:
+            kept = len(previous) + count[0]
+            writer.finish()
+            where = f"{kept} of {len(ids)} results are in {out}; --resume sends the rest"
+            if isinstance(e, KeyboardInterrupt):
+                print(f"\nspecbatch conform run: interrupted; {where}", file=sys.stderr)
+                return 130
+            raise ServerError(f"{e} ({where})") from None
+        writer.finish()
+        print(f"{len(ids)} outputs in {out} ({count[0]} sent in {time.perf_counter() - start:.1f} s); judge them with: "
+              f"specbatch conform check {args.vectors} {out}" + (" --target MODEL" if sampled else ""))
+        return 0
+    finally:
+        lock.release()
+
+
 def _conform_check_sampled(args) -> int:
     from .sampled import check_samples, load_sampled_vectors, read_sampled_outputs
     if not args.target:
@@ -383,7 +474,13 @@ def _conform_check_greedy(args) -> int:
         target, _, _ = load(args.target, dtype=vectors.manifest["dtype"], device="cpu")
         for line in check_identity(vectors, target):
             print(f"warning: model differs from the vectors' - {line}", file=sys.stderr)
-    report = check_outputs(vectors, outputs, ulps=args.tie_ulps)
+    reference = None
+    if args.against:
+        from .conform import differential_reference
+        reference = differential_reference(vectors, read_outputs(args.against)[0])
+    report = check_outputs(vectors, outputs, ulps=args.tie_ulps, reference=reference, tolerance=args.tie_tolerance)
+    if args.against:
+        print(f"reference: {args.against} (the engine's own run), ties within {report.tolerance:.3g} in logprob")
     print(report.table())
     for line in report.lines():
         print(line)
@@ -577,10 +674,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", help="also check that this model is the one the vectors were made with (required "
                    "for sampled vectors: the checker computes its distributions)")
     c.add_argument("--tie-ulps", type=float, default=None, help="tie threshold in ulps (default: the dtype's)")
+    c.add_argument("--against", default=None, help="greedy vectors: judge against this outputs file (the engine's "
+                   "own reference run, e.g. speculation off, one request at a time, with --logprobs) instead of the "
+                   "vectors' reference")
+    c.add_argument("--tie-tolerance", type=non_negative_float, default=None, help="--against: tie tolerance in logprob "
+                   "(default: --tie-ulps ulps of the dtype at a logit of 32)")
     c.add_argument("--batch-size", type=positive_int, default=None, help="sampled vectors: the batch size the "
                    "engine ran with (it names the slot pairs; default the manifest's)")
     c.add_argument("--allow-modified", action="store_true", help="check against vectors whose files differ from "
                    "the manifest's checksums (with a warning) instead of refusing them")
+    r = act.add_parser("run", help="send vectors (greedy or sampled) to a running inference server and write its "
+                       "outputs for conform check")
+    r.add_argument("vectors", help="folder written by conform make (greedy or --sampled)")
+    r.add_argument("--server", required=True, help="the server's base address, e.g. http://127.0.0.1:8000")
+    r.add_argument("--api", choices=("openai", "llama.cpp"), default="openai", help="its protocol: openai "
+                   "(POST /v1/completions: vLLM, SGLang, TGI, ...) or llama.cpp (POST /completion); default openai")
+    r.add_argument("--model", default=None, help="model name to put in each request (servers that serve several)")
+    r.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight at once, so that the "
+                   "server batches them (default 8)")
+    r.add_argument("--order", choices=("input", "reversed", "shuffled"), default="shuffled", help="greedy vectors: "
+                   "the manifest's submission order (default shuffled); sampled rows go in file order")
+    r.add_argument("--logprobs", type=int_at_least(0, "non-negative"), default=0, help="top logprobs to ask for per "
+                   "new token (kept in the outputs as 'top'; a differential reference needs them for tie verdicts)")
+    r.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per request (default 300)")
+    r.add_argument("--retries", type=int_at_least(0, "non-negative"), default=5, help="attempts after a refused "
+                   "connection or a 503, with backoff (default 5)")
+    r.add_argument("--no-seeds", action="store_true", help="sampled vectors: leave out each row's seed (for "
+                   "servers that refuse per-request seeds)")
+    r.add_argument("--extra", default=None, help="a JSON object of fields added to every request (the engine's "
+                   "own switches)")
+    r.add_argument("--out", required=True, help="outputs file (JSONL: id, token_ids, finish_reason[, top])")
+    r.add_argument("--resume", action="store_true", help="keep the outputs already in --out, send the rest")
+    r.add_argument("--overwrite", action="store_true", help="replace an --out that already holds outputs")
     s_ = act.add_parser("sample", help="run specbatch (or transformers) on sampled vectors and write its outputs")
     s_.add_argument("vectors", help="folder written by conform make --sampled")
     s_.add_argument("--target", required=True, help="model (the --target forms of generate)")

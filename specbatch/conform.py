@@ -59,8 +59,9 @@ def reference_outputs(target, prompts, max_new_tokens, eos_token_ids) -> list[li
                                ).sequences[0] for p, m in zip(prompts, max_new_tokens)]
 
 
-def _top_logits(target, prompt, answer) -> list[list]:
-    """[[token, logit] x TOP] at every answer position, from one unpadded forward."""
+def _top_logits(target, prompt, answer, top: int = TOP, log_softmax: bool = False) -> list[list]:
+    """[[token, logit] x top] at every answer position, from one unpadded forward (logprobs with
+    log_softmax)."""
     import torch
 
     from .fast.cache import rect_inputs
@@ -73,7 +74,8 @@ def _top_logits(target, prompt, answer) -> list[list]:
                             mask_fill_value(first.dtype))
     with torch.inference_mode():
         logits = ModelRunner(target)(torch.tensor([ids], device=first.device), pos, mask, None)[0].double()
-    values, tokens = logits[len(prompt) - 1:].topk(TOP, dim=-1)
+    logits = logits[len(prompt) - 1:]
+    values, tokens = (logits.log_softmax(-1) if log_softmax else logits).topk(top, dim=-1)
     return [[[int(t), float(v)] for t, v in zip(tr, vr)] for tr, vr in zip(tokens.tolist(), values.tolist())]
 
 
@@ -328,6 +330,7 @@ class Report:
     extra: list = field(default_factory=list)
     duplicated: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    tolerance: float | None = None  # the absolute tie tolerance in effect (None: the ulp rule)
 
     @property
     def errors(self) -> list:
@@ -367,8 +370,12 @@ def _ulp(value: float, dtype: str) -> float:
     return ulp(value, getattr(torch, dtype, torch.float32))
 
 
-def judge(reference: dict, got: list[int], dtype: str, ulps: float) -> dict:
-    """Exact, or the first divergence with its verdict, from the stored top logits alone."""
+def judge(reference: dict, got: list[int], dtype: str, ulps: float, threshold: float | None = None) -> dict:
+    """Exact, or the first divergence with its verdict, from the stored top scores alone.
+
+    The scores are logits (the vectors' reference) or logprobs (an engine's own reference run): their
+    differences at one position are the same. threshold: the absolute tie tolerance; None: `ulps`
+    ulps of the dtype at the top score."""
     want = reference["token_ids"]
     j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if j is None and len(got) == len(want):
@@ -377,23 +384,67 @@ def judge(reference: dict, got: list[int], dtype: str, ulps: float) -> dict:
         j = min(len(got), len(want))
         detail = "the output stops early" if len(got) < len(want) else "the output continues past the reference's end"
         return dict(verdict="algorithmic", index=j, detail=detail, margin=None)
-    top = reference["top"][j]
+    top = (reference.get("top") or [])[j] if j < len(reference.get("top") or []) else []
+    if len(top) < 2 or want[j] not in dict((t, v) for t, v in top):
+        return dict(verdict="algorithmic", index=j, margin=None, detail=f"expected {want[j]}, got {got[j]} (the "
+                    "reference has no top scores there to tell a tie)")
     logit = dict((t, v) for t, v in top)
     margin = top[0][1] - top[1][1]
-    # the candidate's token outside the stored top: its logit is at most the last stored one
+    # the candidate's token outside the stored top: its score is at most the last stored one
     gap = logit[want[j]] - logit.get(got[j], top[-1][1])
-    threshold = ulps * _ulp(top[0][1], dtype)
+    threshold = ulps * _ulp(top[0][1], dtype) if threshold is None else threshold
     tie = got[j] in logit and gap <= threshold
     return dict(verdict="tie" if tie else "algorithmic", index=j, margin=margin, gap=gap, threshold=threshold,
                 detail=f"expected {want[j]}, got {got[j]}")
 
 
-def check_outputs(vectors, outputs, ulps: float | None = None) -> Report:
-    """Report on an engine's outputs (rows with id and token_ids or text) against the vectors."""
+LOGIT_SCALE = 32.0  # an upper bound of language models' top logits (SmolLM2's lie near 15-25)
+
+
+def logprob_tolerance(dtype: str, ulps: float) -> float:
+    """The tie tolerance for an engine's own logprobs, which hide the logits' magnitude: `ulps` ulps
+    of the dtype at LOGIT_SCALE (float32, 512 ulps: 2.0e-3; bfloat16, 4 ulps: 1.0)."""
+    return ulps * _ulp(LOGIT_SCALE, dtype)
+
+
+def differential_reference(vectors, rows) -> dict:
+    """An engine's own reference run (output rows: id, token_ids and, for tie verdicts, top:
+    [[token, logprob], ...] per new token) as the reference of `check_outputs`: {id: reference row}.
+    VectorError when a request of the vectors is missing or repeated, or a field is malformed."""
+    vectors = vectors if isinstance(vectors, Vectors) else load_vectors(vectors)
+    reference: dict = {}
+    for row in rows:
+        ident = str(row["id"])
+        if ident in reference:
+            raise VectorError(f"the reference outputs hold request {ident!r} twice")
+        if not _token_list(row.get("token_ids")):
+            raise VectorError(f"the reference outputs: request {ident!r} has no 'token_ids' list of ids")
+        top = row.get("top")
+        if top is not None and not (isinstance(top, list) and all(
+                isinstance(t, list) and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0])
+                                            and isinstance(p[1], (int, float)) and math.isfinite(p[1]) for p in t)
+                for t in top)):
+            raise VectorError(f"the reference outputs: request {ident!r}: 'top' must hold [token, logprob] pairs "
+                              "per new token")
+        reference[ident] = dict(id=ident, token_ids=list(row["token_ids"]), top=top or [])
+    missing = [r["id"] for r in vectors.requests if r["id"] not in reference]
+    if missing:
+        raise VectorError(f"the reference outputs lack {len(missing)} request(s) of the vectors, e.g. {missing[0]!r}")
+    return reference
+
+
+def check_outputs(vectors, outputs, ulps: float | None = None, reference: dict | None = None,
+                  tolerance: float | None = None) -> Report:
+    """Report on an engine's outputs (rows with id and token_ids or text) against the vectors'
+    reference, or against `reference` (differential_reference: the engine's own run), with the
+    absolute tie `tolerance` if given (default for a differential reference: logprob_tolerance)."""
     vectors = vectors if isinstance(vectors, Vectors) else load_vectors(vectors)
     dtype = vectors.manifest["dtype"]
     ulps = vectors.manifest.get("tie_ulps_default", 4) if ulps is None else ulps
-    report = Report()
+    if reference is not None and tolerance is None:
+        tolerance = logprob_tolerance(dtype, ulps)
+    references = vectors.reference if reference is None else reference
+    report = Report(tolerance=tolerance)
     seen: dict = {}
     for row in outputs:
         ident = str(row["id"])
@@ -402,7 +453,7 @@ def check_outputs(vectors, outputs, ulps: float | None = None) -> Report:
         seen[ident] = row
     report.extra = sorted(i for i in seen if i not in vectors.reference)
     for request in vectors.requests:
-        ident, ref = request["id"], vectors.reference[request["id"]]
+        ident, ref = request["id"], references[request["id"]]
         row = seen.get(ident)
         base = dict(id=ident, **{"class": request["class"]})
         if row is None:
@@ -413,7 +464,7 @@ def check_outputs(vectors, outputs, ulps: float | None = None) -> Report:
             report.requests.append(dict(base, verdict="exact" if same else "algorithmic", index=None,
                                         detail="text differs (text-only output)", margin=None))
         else:
-            report.requests.append(dict(base, **judge(ref, list(row["token_ids"]), dtype, ulps)))
+            report.requests.append(dict(base, **judge(ref, list(row["token_ids"]), dtype, ulps, tolerance)))
     return report
 
 

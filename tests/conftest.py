@@ -71,6 +71,16 @@ def folders(tmp_path_factory):
                                                        vocab_size=VOCAB + 4)))
 
 
+@pytest.fixture(scope="session")
+def greedy_vectors(tmp_path_factory):
+    """Conformance vectors for tiny("llama") (float64), made once per session: a folder."""
+    from hf_models import tiny
+    from specbatch.conform import make_vectors
+    folder = tmp_path_factory.mktemp("vectors")
+    make_vectors(tiny("llama"), folder, max_context=120)
+    return folder
+
+
 @pytest.fixture()
 def prompt_file(tmp_path):
     """The CLI's test prompts (hf_models.PROMPTS) as JSONL with ids q0, q1, ..."""

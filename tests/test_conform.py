@@ -24,10 +24,8 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def vectors(target, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vectors")
-    make_vectors(target, folder, max_context=120)
-    return folder
+def vectors(greedy_vectors):
+    return greedy_vectors
 
 
 def reference_rows(vectors):

@@ -1,0 +1,229 @@
+"""A small inference server backed by specbatch, speaking the OpenAI and llama.cpp protocols on
+loopback, with switches for known bug classes: what the server adapter and the checkers are tested
+against (and a way to try `conform run --server` without installing an engine).
+
+    with StubServer(target, draft) as server:          # http://127.0.0.1:<free port>
+        ServerEngine(server.url, "openai")(prompts, budgets, eos, batch_size=4)
+
+It batches like a server: requests that arrive within `window` seconds of each other and share
+their settings run as one batch of specbatch.generate (ragged, speculative with `draft`). It
+listens on 127.0.0.1 only and stops by itself after `lifetime` seconds.
+
+Bugs (`BUGS`), each a mistake a real engine made or could make:
+
+    eos-overrun    runs every request to its budget, past its EOS (SGLang 31599, transformers 47912)
+    pad-mask       pads a batch with `pad_token_id` and masks `token == pad_token_id` (a pad id inside
+                   a prompt is hidden too)
+    shared-seed    ignores per-request seeds: every request of a batch draws the same stream
+    wrong-top-p    applies top-k and top-p to the raw logits and the temperature after
+    text-only      answers text, no token ids
+    text-prompt    counts the prompt as text (its prompt-token count differs from the ids sent)
+    drops-top-k    ignores top_k, and says so in llama.cpp's echoed settings
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+BUGS = ("eos-overrun", "pad-mask", "shared-seed", "wrong-top-p", "text-only", "text-prompt", "drops-top-k")
+
+
+class StubServer:
+    """specbatch behind HTTP on 127.0.0.1 (a context manager; `url` once started)."""
+
+    def __init__(self, target, draft=None, *, bug: str | None = None, pad_token_id: int | None = None,
+                 window: float = 0.05, lifetime: float = 600.0):
+        if bug is not None and bug not in BUGS:
+            raise ValueError(f"unknown bug {bug!r}; known: {', '.join(BUGS)}")
+        if bug == "pad-mask" and pad_token_id is None:
+            raise ValueError("bug 'pad-mask' needs the pad_token_id it pads with")
+        self.target, self.draft, self.bug, self.pad = target, draft, bug, pad_token_id
+        self.window, self.lifetime = window, lifetime
+        self.inbox: queue.Queue = queue.Queue()
+        self.batches: list[int] = []  # the size of every batch run, in order
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._http.daemon_threads = True
+        self._threads = [threading.Thread(target=self._http.serve_forever, daemon=True),
+                         threading.Thread(target=self._batcher, daemon=True)]
+        self._stop = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._http.server_address[1]}"
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        self._timer = threading.Timer(self.lifetime, self.close)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self.inbox.put(None)
+            self._http.shutdown()
+            self._http.server_close()
+            self._timer.cancel()
+
+    # ------------------------------------------------------------ one completion
+
+    def complete(self, request: dict) -> dict:
+        """Queue one request (prompt ids, budget, EOS ids, settings) and wait for its batch."""
+        done: Future = Future()
+        self.inbox.put((request, done))
+        return done.result(timeout=self.lifetime)
+
+    def _batcher(self) -> None:
+        while not self._stop.is_set():
+            first = self.inbox.get()
+            if first is None:
+                return
+            waiting = [first]
+            deadline = time.monotonic() + self.window
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    item = self.inbox.get(timeout=left)
+                except queue.Empty:
+                    break
+                if item is None:
+                    return
+                waiting.append(item)
+            groups: dict = {}
+            for request, done in waiting:
+                key = (request["temperature"], request["top_k"], request["top_p"], tuple(request["eos"]))
+                groups.setdefault(key, []).append((request, done))
+            for group in groups.values():
+                self._run(group)
+
+    def _run(self, group) -> None:
+        try:
+            outputs = self._generate([r for r, _ in group])
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting request threads
+            for _, done in group:
+                done.set_exception(e)
+            return
+        self.batches.append(len(group))
+        for (_, done), tokens in zip(group, outputs):
+            done.set_result(tokens)
+
+    def _generate(self, requests: list[dict]) -> list[list[int]]:
+        import specbatch
+
+        from .testing import broken_sampling_engine, padded_batch_engine
+        prompts = [r["prompt"] for r in requests]
+        budgets = [r["budget"] for r in requests]
+        first = requests[0]
+        eos = [] if self.bug == "eos-overrun" else list(first["eos"])
+        if self.bug == "pad-mask":
+            return padded_batch_engine(self.target, self.pad, mask_from_pad=True)(prompts, budgets, eos, len(prompts))
+        if not first["temperature"]:
+            return specbatch.generate(self.target, self.draft, prompts, max_new_tokens=budgets, eos_token_id=eos,
+                                      batch_size=len(prompts)).sequences
+        seeds = [0 if self.bug == "shared-seed" else r["seed"] for r in requests]
+        top_k = None if self.bug == "drops-top-k" else first["top_k"]
+        if self.bug == "wrong-top-p":
+            engine = broken_sampling_engine(self.target, self.draft, "temperature-after-truncation")
+            return engine(prompts, budgets, eos, len(prompts), temperature=first["temperature"], top_k=top_k,
+                          top_p=first["top_p"], seeds=seeds)
+        return specbatch.generate(self.target, self.draft, prompts, max_new_tokens=budgets, eos_token_id=eos,
+                                  batch_size=len(prompts), temperature=first["temperature"], top_k=top_k,
+                                  top_p=first["top_p"], seed=seeds).sequences
+
+    def top_logprobs(self, prompt: list[int], answer: list[int], count: int) -> list:
+        """[[token, logprob] x count] at every answer position, from one unpadded forward."""
+        from .conform import _top_logits
+        return _top_logits(self.target, prompt, answer, top=count, log_softmax=True)
+
+
+def _handler(server: StubServer):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def do_GET(self):
+            self._send(200, {"status": "ok"} if self.path == "/health" else {"object": "list", "data": [
+                {"id": "specbatch-stub", "object": "model"}]})
+
+        def do_POST(self):
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            except json.JSONDecodeError:
+                return self._send(400, {"error": {"message": "body is not JSON"}})
+            if self.path == "/v1/completions":
+                return self._openai(body)
+            if self.path == "/completion":
+                return self._llama(body)
+            self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+        def _request(self, body, budget_key, eos):
+            prompt = body.get("prompt")
+            if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+                raise ValueError("prompt must be a list of token ids")
+            top_k = body.get("top_k")
+            return dict(prompt=prompt, budget=int(body.get(budget_key) or 16), eos=eos,
+                        temperature=float(body.get("temperature", 1.0)),
+                        top_k=int(top_k) if top_k and top_k > 0 else None,
+                        top_p=None if body.get("top_p", 1.0) >= 1.0 else float(body["top_p"]),
+                        seed=int(body.get("seed") or 0))
+
+        def _answer(self, body, budget_key, eos):
+            request = self._request(body, budget_key, eos)
+            tokens = server.complete(request)
+            return request, [int(t) for t in tokens]
+
+        def _openai(self, body):
+            eos = list(body.get("stop_token_ids") or [])
+            try:
+                request, tokens = self._answer(body, "max_tokens", eos)
+            except ValueError as e:
+                return self._send(400, {"error": {"message": str(e)}})
+            top = server.top_logprobs(request["prompt"], tokens, int(body["logprobs"])) if body.get("logprobs") else []
+            finish, stop = "length", None
+            if tokens and tokens[-1] in eos and server.bug != "eos-overrun":
+                stop, finish = tokens.pop(), "stop"  # as vLLM: the stop token id is not in the output
+            choice = dict(index=0, text=" ".join(map(str, tokens)), finish_reason=finish, stop_reason=stop)
+            if server.bug != "text-only":
+                choice["token_ids"] = tokens
+            if body.get("logprobs"):
+                choice["logprobs"] = dict(tokens=[f"token_id:{t}" for t in tokens] if server.bug != "text-only"
+                                          else [str(t) for t in tokens],
+                                          top_logprobs=[{f"token_id:{t}": v for t, v in p} for p in top])
+            prompt_tokens = len(request["prompt"]) * (3 if server.bug == "text-prompt" else 1)
+            self._send(200, dict(object="text_completion", choices=[choice],
+                                 usage=dict(prompt_tokens=prompt_tokens, completion_tokens=len(tokens))))
+
+        def _llama(self, body):
+            try:
+                request, tokens = self._answer(body, "n_predict", [])  # llama.cpp stops at the model's own EOS
+            except ValueError as e:
+                return self._send(400, {"error": {"message": str(e)}})
+            settings = {k: body.get(k) for k in ("temperature", "top_k", "top_p", "n_predict", "min_p", "samplers")}
+            if server.bug == "drops-top-k":
+                settings["top_k"] = 40
+            reply = dict(content=" ".join(map(str, tokens)), tokens=[] if server.bug == "text-only" else tokens,
+                         stop_type="limit", generation_settings=settings,
+                         tokens_evaluated=len(request["prompt"]) * (3 if server.bug == "text-prompt" else 1))
+            if body.get("n_probs"):
+                top = server.top_logprobs(request["prompt"], tokens, int(body["n_probs"]))
+                reply["completion_probabilities"] = [
+                    dict(id=t, logprob=dict(p).get(t, p[-1][1]), top_logprobs=[dict(id=a, logprob=b) for a, b in p])
+                    for t, p in zip(tokens, top)]
+            self._send(200, reply)
+
+        def _send(self, code, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+    return Handler

@@ -1,0 +1,247 @@
+"""The server adapter (`conform run --server`, specbatch.serving) against an in-process stub server
+backed by specbatch (specbatch.stub_server) on 127.0.0.1: both protocols give the right verdicts,
+each switched-on bug class is flagged, user errors are one line with exit 2, and a partial run
+resumes without resending finished requests."""
+import hashlib
+import json
+import socket
+
+import pytest
+import torch
+
+from hf_models import tiny
+from specbatch.cli import main
+from specbatch.conform import (check_outputs, differential_reference, load_vectors, logprob_tolerance,
+                               read_outputs)
+from specbatch.sampled import check_samples, sampled_vectors
+from specbatch.serving import LlamaCppProtocol, ServerEngine, ServerError, run_vectors
+from specbatch.stub_server import StubServer
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny("llama"), tiny("llama", layers=1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def vectors(greedy_vectors):
+    return load_vectors(greedy_vectors)
+
+
+def serve(pair, vectors=None, **kw):
+    target, draft = pair
+    pad = vectors.manifest["pad_token_id"] if vectors is not None else None
+    return StubServer(target, draft, pad_token_id=pad, **kw)
+
+
+def run(pair, vectors, api="openai", bug=None, concurrency=8, **kw):
+    with serve(pair, vectors, bug=bug) as server:
+        records = run_vectors(ServerEngine(server.url, api, **kw), vectors, concurrency=concurrency)
+        return list(records.values()), server.batches
+
+
+# ---------------------------------------------------------------- greedy verdicts
+
+@pytest.mark.parametrize("api", ["openai", "llama.cpp"])
+def test_a_correct_server_conforms_and_batches_concurrent_requests(pair, vectors, api):
+    rows, batches = run(pair, vectors, api)
+    report = check_outputs(vectors, rows)
+    assert report.conformant, report.lines()
+    assert all(r["verdict"] == "exact" for r in report.requests)  # float64: no ties
+    assert max(batches) > 1 and sum(batches) == len(vectors.requests)  # the server batched what came together
+
+
+def test_a_server_that_runs_past_eos_is_algorithmic(pair, vectors):
+    report = check_outputs(vectors, run(pair, vectors, bug="eos-overrun")[0])
+    assert not report.conformant
+    overruns = [r for r in report.errors if r["detail"] == "the output continues past the reference's end"]
+    stops = {i for i, ref in vectors.reference.items() if ref["stop_reason"] == "eos"}
+    assert {r["id"] for r in overruns} == stops and stops  # every request the reference stopped at EOS
+
+
+def test_a_server_that_masks_from_the_pad_id_is_flagged_in_pad_in_prompt(pair, vectors):
+    report = check_outputs(vectors, run(pair, vectors, bug="pad-mask")[0])
+    assert not report.conformant
+    flagged = {r["id"] for r in report.errors}
+    pad = vectors.manifest["pad_token_id"]
+    assert any(r["class"] == "pad-in-prompt" for r in report.errors)
+    assert all(pad in r["token_ids"] for r in vectors.requests if r["id"] in flagged)  # only prompts holding it
+
+
+def test_llama_cpp_states_that_it_cannot_judge_stop_ids(pair, vectors):
+    """llama.cpp takes no stop token ids: answers are cut here, so an overrun is not seen, and says so."""
+    rows, _ = run(pair, vectors, "llama.cpp", bug="eos-overrun")
+    assert check_outputs(vectors, rows).conformant
+    assert any("stop token ids" in line for line in ServerEngine("http://127.0.0.1:1", "llama.cpp").limits)
+    assert not ServerEngine("http://127.0.0.1:1", "openai").limits
+
+
+def test_the_server_engine_is_an_engine_of_the_kit(pair, vectors):
+    with serve(pair) as server:
+        engine = ServerEngine(server.url)
+        got = engine(vectors.prompts[:6], vectors.budgets[:6], vectors.manifest["eos_token_ids"], batch_size=3)
+    want = [vectors.reference[r["id"]]["token_ids"] for r in vectors.requests[:6]]
+    assert got == want
+
+
+# ---------------------------------------------------------------- the differential check
+
+def test_differential_check_against_the_engines_own_run(pair, vectors):
+    """Reference: one request at a time with logprobs; configured: concurrent. Equal, and a changed
+    token is a tie or algorithmic by the engine's own logprob margin there."""
+    reference_rows, _ = run(pair, vectors, concurrency=1, logprobs=4)
+    rows, _ = run(pair, vectors, concurrency=8)
+    reference = differential_reference(vectors, reference_rows)
+    assert check_outputs(vectors, rows, reference=reference).conformant
+    row = next(r for r in reference_rows if len(r["token_ids"]) > 2)
+    index = 1
+    top = row["top"][index]
+    assert top[0][0] == row["token_ids"][index]  # greedy: the chosen token leads its logprobs
+    changed = [dict(r) for r in rows]
+    mine = next(r for r in changed if r["id"] == row["id"])
+    mine["token_ids"] = mine["token_ids"][:index] + [top[1][0]]
+    gap = top[0][1] - top[1][1]
+    tie = check_outputs(vectors, changed, reference=reference, tolerance=gap * 1.001)
+    assert tie.conformant and [r["verdict"] for r in tie.requests if r["id"] == row["id"]] == ["tie"]
+    wrong = check_outputs(vectors, changed, reference=reference, tolerance=gap * 0.999)
+    assert [r["id"] for r in wrong.errors] == [row["id"]]
+    mine["token_ids"] = mine["token_ids"][:index] + [next(t for t in range(10**6) if t not in dict(top))]
+    assert not check_outputs(vectors, changed, reference=reference, tolerance=1e9).conformant  # outside the top
+    assert logprob_tolerance("float32", 512) == pytest.approx(512 * 2 ** -23 * 32)
+
+
+def test_a_reference_run_without_logprobs_judges_every_divergence_algorithmic(pair, vectors):
+    rows, _ = run(pair, vectors, concurrency=8)
+    reference = differential_reference(vectors, rows)
+    changed = [dict(r) for r in rows]
+    victim = next(r for r in changed if len(r["token_ids"]) > 1)
+    victim["token_ids"] = [victim["token_ids"][0] + 1] + victim["token_ids"][1:]
+    report = check_outputs(vectors, changed, reference=reference, tolerance=1e9)
+    assert [r["id"] for r in report.errors] == [victim["id"]]
+
+
+# ---------------------------------------------------------------- sampled verdicts through a server
+
+@pytest.fixture(scope="module")
+def sampled_pair():
+    return tiny("llama", seed=0, dtype=torch.float32), tiny("llama", layers=1, seed=1, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("api,bug", [("openai", None), pytest.param("llama.cpp", None, marks=pytest.mark.full),
+                                     ("openai", "shared-seed"),
+                                     pytest.param("openai", "wrong-top-p", marks=pytest.mark.full)])
+def test_sampled_vectors_through_a_server(sampled_pair, api, bug):
+    target, draft = sampled_pair
+    vectors = sampled_vectors(target, seed=4, samples=32)
+    with StubServer(target, draft, bug=bug) as server:
+        rows = list(run_vectors(ServerEngine(server.url, api), vectors, concurrency=8).values())
+    report = check_samples(vectors, rows, target, batch_size=8)
+    assert report.conformant == (bug is None), report.table()
+    if bug == "shared-seed":
+        assert min(p for name, p in report.p_values() if "independence" in name) < report.threshold
+
+
+def test_a_server_that_changes_a_sampling_parameter_is_refused(sampled_pair):
+    target, draft = sampled_pair
+    vectors = sampled_vectors(target, seed=4, samples=4)
+    with StubServer(target, draft, bug="drops-top-k") as server:
+        with pytest.raises(ServerError, match="changed parameter 'top_k': sent 0, it used 40"):
+            run_vectors(ServerEngine(server.url, "llama.cpp"), vectors, concurrency=4)
+    assert "top_k" in LlamaCppProtocol.ECHOED
+
+
+# ---------------------------------------------------------------- the command line
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def one_line_error(capsys, argv, *needles):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and "Traceback" not in err, err  # progress lines may come before it
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("bug,needle", [("text-only", "text without token ids"),
+                                        ("text-prompt", "did not take the prompt as token ids")])
+def test_unusable_servers_are_one_line_errors(pair, vectors, greedy_vectors, tmp_path, capsys, bug, needle):
+    with serve(pair, vectors, bug=bug) as server:
+        one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", server.url,
+                                "--out", str(tmp_path / "o.jsonl")], needle, "--resume sends the rest")
+
+
+def test_an_unreachable_server_is_one_line(greedy_vectors, tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", url, "--retries", "1",
+                            "--out", str(tmp_path / "o.jsonl")], "cannot reach the server", "after 2 attempts")
+    one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", "ftp://x", "--out",
+                            str(tmp_path / "o.jsonl")], "not an http")
+    one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", url, "--extra", "[1]", "--out",
+                            str(tmp_path / "o.jsonl")], "--extra must be a JSON object")
+
+
+def test_a_refused_parameter_is_named(pair, greedy_vectors, tmp_path, capsys):
+    with serve(pair) as server:
+        one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", server.url, "--extra",
+                                '{"prompt": "text"}', "--out", str(tmp_path / "o.jsonl")],
+                       "HTTP 400", "prompt must be a list of token ids", "(parameter 'prompt')")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_the_tie_tolerance_must_be_finite_and_non_negative(greedy_vectors, tmp_path, capsys, value):
+    outputs = tmp_path / "o.jsonl"
+    outputs.write_text("")
+    one_line_error(capsys, ["conform", "check", str(greedy_vectors), str(outputs), "--tie-tolerance", value],
+                   "--tie-tolerance")
+
+
+def test_run_check_resume_and_no_silent_overwrite(pair, vectors, greedy_vectors, tmp_path, capsys):
+    out = tmp_path / "outputs.jsonl"
+    with serve(pair, vectors) as server:
+        base = ["conform", "run", str(greedy_vectors), "--server", server.url, "--concurrency", "4"]
+        assert main(base + ["--out", str(out)]) == 0
+        whole = out.read_text()
+        served = sum(server.batches)
+        assert served == len(vectors.requests)
+        assert main(["conform", "check", str(greedy_vectors), str(out)]) == 0
+        assert "CONFORMANT" in capsys.readouterr().out
+        # an existing file is not replaced without being asked
+        before = digest(out)
+        one_line_error(capsys, base + ["--out", str(out)], "already holds results", "--resume", "--overwrite")
+        assert digest(out) == before
+        # a partial file (an interrupted run: 10 results and a torn line) is completed, resending only the rest
+        lines = whole.splitlines(keepends=True)
+        out.write_text("".join(lines[:10]) + lines[10][:15])
+        assert main(base + ["--out", str(out), "--resume"]) == 0
+        assert sum(server.batches) - served == len(vectors.requests) - 10
+        assert out.read_text() == whole
+        # a resume with other settings is refused
+        one_line_error(capsys, base + ["--out", str(out), "--resume", "--logprobs", "2"], "other settings")
+        assert main(base + ["--out", str(out), "--overwrite", "--logprobs", "2"]) == 0
+    rows, _ = read_outputs(out)
+    assert all(len(r["top"]) == len(r["token_ids"]) for r in rows)
+    # the differential check from the command line: against itself, with its tolerance said
+    capsys.readouterr()
+    assert main(["conform", "check", str(greedy_vectors), str(out), "--against", str(out)]) == 0
+    assert "the engine's own run" in capsys.readouterr().out
+    broken = [dict(r) for r in rows]
+    broken[0]["token_ids"] = broken[0]["token_ids"] + [0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in broken))
+    assert main(["conform", "check", str(greedy_vectors), str(bad), "--against", str(out)]) == 1
+    one_line_error(capsys, ["conform", "check", str(greedy_vectors), str(out), "--against", str(tmp_path / "x")],
+                   "x")
