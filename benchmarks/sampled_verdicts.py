@@ -24,15 +24,6 @@ from specbatch.sampled import SampledVectors, check_samples, load_sampled_vector
 from specbatch.testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
 
 
-def subset(vectors: SampledVectors, samples: int, settings=None) -> SampledVectors:
-    """The rows of the first `samples` samples of every request (a multiple of 4 keeps twins and
-    slots), of the named settings only if given."""
-    kept = [s for s in vectors.manifest["settings"] if settings is None or s["name"] in settings]
-    names = {s["name"] for s in kept}
-    rows = [r for r in vectors.rows if r["sample"] < samples and r["setting"] in names]
-    return SampledVectors(dict(vectors.manifest, samples=samples, num_rows=len(rows), settings=kept), rows)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vectors", required=True)
@@ -76,13 +67,13 @@ def main():
         write(out, command, a.target, a.draft, results)  # after every engine: a later failure loses nothing
 
     for name in [e for e in a.engines.split(",") if e]:
-        these = subset(vectors, int(smaller.get(name, vectors.manifest["samples"])), only.get(name))
+        these = vectors.subset(int(smaller.get(name, vectors.manifest["samples"])), only.get(name))
         start = time.perf_counter()
         outputs = run_sampled(make[name](), these, batch_size=a.batch_size)
         judge(name, these, outputs, round(time.perf_counter() - start, 1), a.batch_size)
     for item in a.outputs:
         name, _, path = item.partition("=")
-        these = subset(vectors, int(smaller.get(name, vectors.manifest["samples"])), only.get(name))
+        these = vectors.subset(int(smaller.get(name, vectors.manifest["samples"])), only.get(name))
         judge(name, these, read_sampled_outputs(path), None, vectors.manifest["batch_size"])
 
 

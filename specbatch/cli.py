@@ -242,6 +242,11 @@ def cmd_verify(args) -> int:
     opts, _ = options_from_args(args)
     if opts.temperature:
         raise UserError("verify checks greedy decoding; drop --temperature")
+    from .conform import VectorError, check_tolerance
+    try:
+        check_tolerance(opts.dtype, args.tie_ulps, args.tie_tolerance)  # before any model is loaded
+    except VectorError as e:
+        raise UserError(str(e)) from None
     from . import distributed
     rank, size = distributed.init_from_env(opts.device)
     parallel = tensor_parallel_layout(rank, size, args.tensor_parallel, opts.device)
@@ -327,6 +332,8 @@ def _conform_make(args) -> int:
     opts, _ = options_from_args(args)
     target, _, tokenizer = load(args.target, dtype=opts.dtype, device=opts.device)
     if not args.sampled:
+        if args.eos_ids:
+            raise UserError("--eos-ids applies to --sampled vectors (greedy vectors choose extra EOS ids themselves)")
         manifest = make_vectors(target, out, tokenizer=tokenizer, seed=args.seed, max_context=args.max_context)
         print(f"{manifest['num_requests']} requests in {out} (classes: {', '.join(manifest['classes'])}); "
               f"EOS ids {manifest['eos_token_ids']}, pad id {manifest['pad_token_id']}")
@@ -338,7 +345,13 @@ def _conform_make(args) -> int:
             raise UserError("--prompts: the target has no tokenizer to encode them with")
         prompts = encode_prompts([text for _, text in read_prompt_file(args.prompts)][:args.requests], tokenizer,
                                  args.chat_template)
-    manifest = make_sampled_vectors(target, out, tokenizer=tokenizer, prompts=prompts, samples=args.samples,
+    eos = None
+    if args.eos_ids:
+        try:
+            eos = [int(t) for t in args.eos_ids.split(",")]
+        except ValueError:
+            raise UserError(f"--eos-ids must be comma-separated token ids, got {args.eos_ids!r}") from None
+    manifest = make_sampled_vectors(target, out, tokenizer=tokenizer, prompts=prompts, samples=args.samples, eos_token_ids=eos,
                                     requests_per_setting=args.requests, max_new_tokens=args.sampled_tokens,
                                     seed=args.seed)
     print(f"{manifest['num_rows']} rows in {out}: {len(manifest['settings'])} settings x "
@@ -485,10 +498,15 @@ def _conform_check_greedy(args) -> int:
     for line in report.lines():
         print(line)
     ties = sum(r["verdict"] == "tie" for r in report.requests)
+    tolerance = ""
+    if args.tie_tolerance is not None or args.tie_ulps is not None:
+        tolerance = (f" (tie tolerance {args.tie_tolerance:g}, not the default)" if args.tie_tolerance is not None
+                     else f" (tie tolerance {args.tie_ulps:g} ulps, not the default "
+                          f"{vectors.manifest.get('tie_ulps_default')})")
     print(f"{'CONFORMANT' if report.conformant else 'NOT CONFORMANT'}: "
           f"{sum(r['verdict'] == 'exact' for r in report.requests)} exact, {ties} floating-point tie(s), "
           f"{len(report.errors)} algorithmic, {len(report.missing)} missing, {len(report.extra)} extra, "
-          f"{len(report.duplicated)} duplicated")
+          f"{len(report.duplicated)} duplicated{tolerance}")
     return 0 if report.conformant else 1
 
 
@@ -604,11 +622,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="prove equivalence: compare a strategy with target-only greedy decoding")
     add_model_args(p)
     add_decoding_args(p)
-    p.add_argument("--tie-ulps", type=float, default=None,
+    p.add_argument("--tie-ulps", type=non_negative_float, default=None,
                    help="a divergence is a floating-point tie when the reference's top-2 logit margin is at most "
                         "this many ulps of the dtype at the top logit (default: 4096 float64, 512 float32, "
                         "4 bfloat16/float16)")
-    p.add_argument("--tie-tolerance", type=float, default=None,
+    p.add_argument("--tie-tolerance", type=non_negative_float, default=None,
                    help="an absolute top-2 margin to use instead of --tie-ulps")
     p.add_argument("--check-invariants", action="store_true", help="also check I1-I6 every round")
     add_tensor_parallel(p)
@@ -666,6 +684,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "are used (default: random token ids)")
     m.add_argument("--chat-template", action="store_true", help="--prompts: wrap each in the tokenizer's chat "
                    "template")
+    m.add_argument("--eos-ids", default=None, help="--sampled: the ids a row stops at, comma-separated (default: the "
+                   "model's); add the end tokens an engine always stops at (llama.cpp: its end-of-generation set)")
     c = act.add_parser("check", help="compare an engine's outputs (JSONL: id, token_ids) with the vectors "
                        "(exit 0 conformant, 1 divergence, missing/extra ids or, for sampled vectors, a rejected "
                        "distribution test; 2 unreadable)")
@@ -673,7 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("outputs", help="JSONL with id and token_ids per request (text only: compared as text)")
     c.add_argument("--target", help="also check that this model is the one the vectors were made with (required "
                    "for sampled vectors: the checker computes its distributions)")
-    c.add_argument("--tie-ulps", type=float, default=None, help="tie threshold in ulps (default: the dtype's)")
+    c.add_argument("--tie-ulps", type=non_negative_float, default=None, help="tie threshold in ulps of the dtype at "
+                   "the top logit (default: the manifest's; at most 16 times the dtype's default)")
     c.add_argument("--against", default=None, help="greedy vectors: judge against this outputs file (the engine's "
                    "own reference run, e.g. speculation off, one request at a time, with --logprobs) instead of the "
                    "vectors' reference")

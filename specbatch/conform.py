@@ -172,6 +172,28 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
     return manifest
 
 
+def check_tolerance(dtype: str, ulps: float | None, tolerance: float | None, differential: bool = False) -> None:
+    """VectorError (one line) unless the tie tolerance asked for is finite, non-negative and within
+    its cap. Against the vectors' reference the dtype's: fast.equivalence.TIE_ULPS_CAP ulps (an
+    absolute tolerance: that many ulps at a logit of LOGIT_SCALE). Against an engine's own run,
+    whose dtype the vectors do not know, the coarsest an engine computes in: 4 bfloat16 ulps at a
+    logit of LOGIT_SCALE, 1.0 in logprob (a token e times less likely is no rounding tie)."""
+    import torch
+
+    from .fast.equivalence import TIE_ULPS_CAP
+    cap = TIE_ULPS_CAP.get(getattr(torch, dtype, None), 64)
+    absolute = logprob_tolerance("bfloat16", 4) if differential else cap * _ulp(LOGIT_SCALE, dtype)
+    for name, value, limit in (("--tie-ulps", ulps, cap), ("--tie-tolerance", tolerance, absolute)):
+        if value is None:
+            continue
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise VectorError(f"{name} must be a finite non-negative number, got {value!r}")
+        if value > limit:
+            raise VectorError(f"{name} {value:g} is above its cap ({limit:.3g}"
+                              + ("" if differential and name == "--tie-tolerance" else f" for {dtype}: 16 times the default")
+                              + "); a tolerance that wide would call real differences between tokens ties")
+
+
 def _default_ulps(dtype: str) -> float:
     import torch
 
@@ -440,6 +462,7 @@ def check_outputs(vectors, outputs, ulps: float | None = None, reference: dict |
     absolute tie `tolerance` if given (default for a differential reference: logprob_tolerance)."""
     vectors = vectors if isinstance(vectors, Vectors) else load_vectors(vectors)
     dtype = vectors.manifest["dtype"]
+    check_tolerance(dtype, ulps, tolerance, differential=reference is not None)
     ulps = vectors.manifest.get("tie_ulps_default", 4) if ulps is None else ulps
     if reference is not None and tolerance is None:
         tolerance = logprob_tolerance(dtype, ulps)

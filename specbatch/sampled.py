@@ -58,10 +58,12 @@ SETTINGS = (  # temperature below and above 1, top-k, top-p and their combinatio
 # ---------------------------------------------------------------- vectors
 
 def sampled_vectors(target, *, prompts=None, samples: int = 512, requests_per_setting: int = 2,
-                    max_new_tokens: int = 8, seed: int = 0, settings=SETTINGS) -> "SampledVectors":
+                    max_new_tokens: int = 8, seed: int = 0, settings=SETTINGS, eos_token_ids=None) -> "SampledVectors":
     """Sampled vectors for `target`, in memory. prompts: token lists, one per request of a setting
     (default: random ids, 3 to 16 long); samples: per request, a multiple of 4 (twins, and slot
-    pairs of twins)."""
+    pairs of twins); eos_token_ids: the ids a row stops at (default: the model's generation config;
+    give more for an engine that also stops at other end tokens it cannot be told to ignore, such as
+    llama.cpp's end-of-generation set)."""
     from .fast.models import eos_ids_of
     if samples < 4 or samples % 4:
         raise VectorError(f"samples must be a positive multiple of 4, got {samples}")
@@ -71,7 +73,9 @@ def sampled_vectors(target, *, prompts=None, samples: int = 512, requests_per_se
         prompts = [rng.integers(0, identity["vocab_size"], int(rng.integers(3, 17))).tolist()
                    for _ in range(requests_per_setting)]
     prompts = [[int(t) for t in p] for p in prompts]
-    eos = [int(t) for t in eos_ids_of(target)]
+    eos = [int(t) for t in (eos_ids_of(target) if eos_token_ids is None else eos_token_ids)]
+    if any(not 0 <= t < identity["vocab_size"] for t in eos):
+        raise VectorError(f"EOS ids must lie in the vocabulary [0, {identity['vocab_size']}), got {eos}")
     rows = []
     for s in settings:
         for i in range(0, samples, 2):  # one block of batch_size rows: each request twice
@@ -114,6 +118,15 @@ class SampledVectors:
 
     def rows_of(self, setting: str) -> list[dict]:
         return [r for r in self.rows if r["setting"] == setting]
+
+    def subset(self, samples: int | None = None, settings=None) -> "SampledVectors":
+        """The rows of the first `samples` samples of every request (a multiple of 4 keeps twins and
+        slots), of the named settings only if given: smaller vectors for a slow engine."""
+        samples = self.manifest["samples"] if samples is None else samples
+        kept = [s for s in self.manifest["settings"] if settings is None or s["name"] in settings]
+        names = {s["name"] for s in kept}
+        rows = [r for r in self.rows if r["sample"] < samples and r["setting"] in names]
+        return SampledVectors(dict(self.manifest, samples=samples, num_rows=len(rows), settings=kept), rows)
 
 
 def is_sampled(path) -> bool:
@@ -162,8 +175,10 @@ def load_sampled_vectors(path, allow_modified: bool = False, warn=None) -> Sampl
 
 def reference_probs(logits, temperature: float, top_k, top_p, slack: float = 0.0):
     """Probabilities [..., V] (float64) under the reference semantics. slack > 0 widens both
-    boundaries (logits within slack * (1 + |k-th|) of the k-th kept; mass before a token up to
-    top_p + slack): the set an engine that rounds differently may still sample from."""
+    boundaries (logits within slack * (1 + |k-th|) of the k-th kept; under top-p, mass before a
+    token up to top_p + slack, or its logit within slack * (1 + |last|) of the last kept token's,
+    which an engine whose logits round differently can rank above it): the set an engine that
+    rounds differently may still sample from."""
     import torch
     x = logits.double() / temperature
     if top_k is not None and top_k < x.shape[-1]:
@@ -173,7 +188,11 @@ def reference_probs(logits, temperature: float, top_k, top_p, slack: float = 0.0
         sorted_x, order = x.sort(dim=-1, descending=True)
         probs = sorted_x.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs
-        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before >= top_p + slack)
+        outside = before >= top_p + slack
+        if slack > 0:  # a token whose logit is within the slack of the last kept one may swap places with it
+            last = sorted_x.masked_fill(outside, float("inf")).min(dim=-1, keepdim=True).values
+            outside = outside & (sorted_x < last - slack * (1 + last.abs()))
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, outside)
         x = x.masked_fill(drop, float("-inf"))
     return x.softmax(dim=-1)
 

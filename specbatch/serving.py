@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 import urllib.error
@@ -143,7 +144,10 @@ class LlamaCppProtocol(Protocol):
     name, path = "llama.cpp", "/completion"
     limits = ("stop token ids: llama.cpp's API takes none, so each answer is cut after the request's first EOS "
               "id here (the model's own end-of-generation tokens still stop it); tokens an engine emitted past "
-              "one of the vectors' extra EOS ids are not seen",)
+              "one of the vectors' extra EOS ids are not seen",
+              "end-of-generation tokens: llama.cpp stops at every token of the model's end-of-generation set, "
+              "which a request cannot turn off; where that set holds ids the vectors do not count as EOS (SmolLM2: "
+              "<|endoftext|>, id 0, beside <|im_end|>, id 2), make sampled vectors with --eos-ids naming them all")
     # settings echoed in `generation_settings` that must come back as sent
     ECHOED = ("temperature", "top_k", "top_p", "n_predict", "seed", "min_p", "samplers")
 
@@ -325,7 +329,7 @@ def _short(value) -> str:
 
 
 def _parameter_hint(message: str, body: dict) -> str:
-    named = [key for key in body if key in message]
+    named = [key for key in body if re.search(rf"(?<![A-Za-z_]){re.escape(key)}(?![A-Za-z_])", message)]
     if "seed" in named or "Generator" in message:
         return " (if it refuses per-request seeds, run with --no-seeds)"
     return f" (parameter {named[0]!r})" if named else ""

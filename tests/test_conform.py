@@ -195,3 +195,56 @@ def test_make_refuses_a_non_empty_folder(tmp_path, capsys):
     assert main(["conform", "make", "--target", "smollm2", "--out", str(tmp_path)]) == 2
     assert (tmp_path / "x").read_text() == "keep"
     assert "not an empty folder" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the tie rule at its edges
+
+def test_the_tie_rule_measures_the_gap_to_the_engines_token_not_to_the_runner_up():
+    from specbatch.conform import judge
+    ref = dict(token_ids=[7, 1], top=[[[7, 10.0], [8, 10.0 - 1e-6], [9, 9.0], [4, 8.0]], [[1, 3.0], [2, 1.0]]])
+    # the reference's top two are within tolerance, but the engine took the 3rd: a gap of 1.0
+    third = judge(ref, [9, 1], "float32", 512)
+    assert third["verdict"] == "algorithmic" and third["gap"] == pytest.approx(1.0)
+    second = judge(ref, [8, 1], "float32", 512)
+    assert second["verdict"] == "tie" and second["gap"] == pytest.approx(1e-6)
+
+
+def test_the_tie_rule_at_the_tolerance_and_one_ulp_above():
+    import math
+
+    from specbatch.conform import judge
+    threshold = 0.25
+    at = dict(token_ids=[7], top=[[[7, 12.0], [8, 12.0 - threshold]]])
+    assert judge(at, [8], "float32", 512, threshold=threshold)["verdict"] == "tie"
+    above = dict(token_ids=[7], top=[[[7, 12.0], [8, math.nextafter(12.0 - threshold, 0.0)]]])
+    assert judge(above, [8], "float32", 512, threshold=threshold)["verdict"] == "algorithmic"
+
+
+def test_a_token_outside_the_stored_top_is_algorithmic_whatever_the_tolerance():
+    from specbatch.conform import judge
+    ref = dict(token_ids=[7], top=[[[7, 12.0], [8, 12.0], [9, 12.0]]])  # even when its score could be the top's
+    assert judge(ref, [5], "float32", 512, threshold=1e9)["verdict"] == "algorithmic"
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--tie-ulps", "inf", "finite"), ("--tie-ulps", "nan", "finite"),
+                                               ("--tie-ulps", "-1", "non-negative"), ("--tie-ulps", "1e30", "cap"),
+                                               ("--tie-tolerance", "1e30", "cap")])
+def test_a_tolerance_that_could_bend_the_verdict_is_refused(vectors, tmp_path, capsys, flag, value, needle):
+    outputs = tmp_path / "o.jsonl"
+    outputs.write_text("".join(json.dumps(r) + "\n" for r in reference_rows(vectors)))
+    try:
+        code = main(["conform", "check", str(vectors), str(outputs), flag, value])
+    except SystemExit as e:  # argparse's refusal
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0] and flag in err[0], err
+
+
+def test_the_verdict_line_states_a_tolerance_that_is_not_the_default(vectors, tmp_path, capsys):
+    outputs = tmp_path / "o.jsonl"
+    outputs.write_text("".join(json.dumps(r) + "\n" for r in reference_rows(vectors)))
+    default = load_vectors(vectors).manifest["tie_ulps_default"]
+    assert main(["conform", "check", str(vectors), str(outputs), "--tie-ulps", "1000"]) == 0
+    assert f"tie tolerance 1000 ulps, not the default {default}" in capsys.readouterr().out
+    assert main(["conform", "check", str(vectors), str(outputs)]) == 0
+    assert "not the default" not in capsys.readouterr().out

@@ -55,6 +55,29 @@ def test_the_slack_admits_only_tokens_at_a_boundary():
     assert (reference_probs(near, 1.0, 2, None, slack=1e-3)[0] > 0).tolist() == [True, True, True, False]
 
 
+def test_the_top_p_slack_admits_a_token_that_rounding_can_rank_above_the_last_kept():
+    """Under top-p the last kept token and a next one within rounding of its logit can swap places in
+    an engine whose logits round differently (seen: llama.cpp's float32 GGUF, logits 0.002 apart)."""
+    logits = torch.tensor([[3.0, 2.5, 1.0, 1.0 - 1e-4, 0.0]], dtype=torch.float64)
+    strict = reference_probs(logits, 1.0, None, 0.85)[0]  # mass before the 4th: 0.904
+    assert (strict > 0).tolist() == [True, True, True, False, False]
+    wide = reference_probs(logits, 1.0, None, 0.85, slack=1e-3)[0]
+    assert (wide > 0).tolist() == [True, True, True, True, False]  # within 1e-3 * (1 + 1.0) of the last kept
+    apart = torch.tensor([[3.0, 2.5, 1.0, 1.0 - 1e-2, 0.0]], dtype=torch.float64)
+    assert (reference_probs(apart, 1.0, None, 0.85, slack=1e-3)[0] > 0).tolist() == [True, True, True, False, False]
+
+
+def test_sampled_vectors_take_the_eos_ids_an_engine_stops_at():
+    from specbatch.conform import VectorError
+    target, _ = TOY
+    vectors = sampled_vectors(target, samples=4, eos_token_ids=[63, 0])
+    assert vectors.manifest["eos_token_ids"] == [63, 0] and all(r["eos_token_ids"] == [63, 0] for r in vectors.rows)
+    default = sampled_vectors(target, samples=4)
+    assert [dict(r, eos_token_ids=None) for r in default.rows] == [dict(r, eos_token_ids=None) for r in vectors.rows]
+    with pytest.raises(VectorError, match="vocabulary"):
+        sampled_vectors(target, samples=4, eos_token_ids=[64])
+
+
 def test_poisson_binomial_tail_is_exact():
     probs = [0.1, 0.5, 0.03, 0.7, 0.25]
     for observed in range(len(probs) + 2):

@@ -93,8 +93,9 @@ def test_differential_check_against_the_engines_own_run(pair, vectors):
     rows, _ = run(pair, vectors, concurrency=8)
     reference = differential_reference(vectors, reference_rows)
     assert check_outputs(vectors, rows, reference=reference).conformant
-    row = next(r for r in reference_rows if len(r["token_ids"]) > 2)
-    index = 1
+    # the closest call of the reference run: a position whose top-2 logprob gap is the smallest
+    row, index = min(((r, i) for r in reference_rows for i in range(len(r["top"])) if i < len(r["token_ids"])),
+                     key=lambda pair: pair[0]["top"][pair[1]][0][1] - pair[0]["top"][pair[1]][1][1])
     top = row["top"][index]
     assert top[0][0] == row["token_ids"][index]  # greedy: the chosen token leads its logprobs
     changed = [dict(r) for r in rows]
@@ -106,8 +107,25 @@ def test_differential_check_against_the_engines_own_run(pair, vectors):
     wrong = check_outputs(vectors, changed, reference=reference, tolerance=gap * 0.999)
     assert [r["id"] for r in wrong.errors] == [row["id"]]
     mine["token_ids"] = mine["token_ids"][:index] + [next(t for t in range(10**6) if t not in dict(top))]
-    assert not check_outputs(vectors, changed, reference=reference, tolerance=1e9).conformant  # outside the top
+    assert not check_outputs(vectors, changed, reference=reference, tolerance=1.0).conformant  # outside the top
     assert logprob_tolerance("float32", 512) == pytest.approx(512 * 2 ** -23 * 32)
+
+
+def test_the_differential_default_tolerance_is_the_logprob_rule(vectors):
+    """Without --tie-tolerance, a differential check allows logprob_tolerance (float64 vectors: 4096
+    ulps at a logit of 32), not the ulp rule at the top logprob (near 0, where an ulp is tiny)."""
+    request = next(r for r in vectors.requests if vectors.reference[r["id"]]["token_ids"])
+    rows = [dict(id=r["id"], token_ids=vectors.reference[r["id"]]["token_ids"]) for r in vectors.requests]
+    reference = {r["id"]: dict(r, top=[]) for r in rows}
+    want = reference[request["id"]]["token_ids"][0]
+    other = (want + 1) % vectors.manifest["vocab_size"]
+    gap = logprob_tolerance(vectors.manifest["dtype"], vectors.manifest["tie_ulps_default"]) / 2
+    reference[request["id"]]["top"] = [[[want, -0.5], [other, -0.5 - gap]]]
+    mine = next(r for r in rows if r["id"] == request["id"])
+    mine["token_ids"] = [other]
+    report = check_outputs(vectors, rows, reference=reference)
+    assert [r["verdict"] for r in report.requests if r["id"] == request["id"]] == ["tie"], report.lines()
+    assert report.tolerance == logprob_tolerance(vectors.manifest["dtype"], vectors.manifest["tie_ulps_default"])
 
 
 def test_a_reference_run_without_logprobs_judges_every_divergence_algorithmic(pair, vectors):
@@ -116,7 +134,7 @@ def test_a_reference_run_without_logprobs_judges_every_divergence_algorithmic(pa
     changed = [dict(r) for r in rows]
     victim = next(r for r in changed if len(r["token_ids"]) > 1)
     victim["token_ids"] = [victim["token_ids"][0] + 1] + victim["token_ids"][1:]
-    report = check_outputs(vectors, changed, reference=reference, tolerance=1e9)
+    report = check_outputs(vectors, changed, reference=reference, tolerance=1.0)
     assert [r["id"] for r in report.errors] == [victim["id"]]
 
 
@@ -245,3 +263,11 @@ def test_run_check_resume_and_no_silent_overwrite(pair, vectors, greedy_vectors,
     assert main(["conform", "check", str(greedy_vectors), str(bad), "--against", str(out)]) == 1
     one_line_error(capsys, ["conform", "check", str(greedy_vectors), str(out), "--against", str(tmp_path / "x")],
                    "x")
+
+
+def test_a_refusal_names_a_parameter_only_when_its_message_does():
+    from specbatch.serving import _parameter_hint
+    body = dict(n=1, top_k=5, seed=3, prompt=[1])
+    assert _parameter_hint("EngineCore encountered an issue", body) == ""  # no stray one-letter match
+    assert _parameter_hint("top_k must be at least -1", body) == " (parameter 'top_k')"
+    assert "--no-seeds" in _parameter_hint("seed is not supported", body)

@@ -21,6 +21,8 @@ HOSTILE = ["tests/test_hostile_files.py"]
 BACKEND = ["tests/test_backend.py"]
 SAMPLED = ["tests/test_sampled.py"]
 TENSOR_PARALLEL = ["tests/test_tensor_parallel.py"]
+SERVER = ["tests/test_server_adapter.py"]
+CONFORM = ["tests/test_conform.py"]
 
 MUTANTS = [
     # ---- masks
@@ -255,4 +257,28 @@ MUTANTS = [
      TENSOR_PARALLEL),
     ("tp-every-rank-writes", "tensor parallel", "specbatch/tensor_parallel.py",
      "        return self.tp_rank == 0\n", "        return True\n", TENSOR_PARALLEL),
+    # ---- servers (specbatch.serving, conform run) and the greedy checker's tie rule
+    ("openai-stop-id-dropped", "servers", "specbatch/serving.py",
+     "            tokens.append(int(stop))  # vLLM leaves out", "            pass  # vLLM leaves out", SERVER),
+    ("llama-cpp-not-cut-at-eos", "servers", "specbatch/serving.py",
+     "            tokens = tokens[:cut + 1]", "            tokens = tokens", SERVER),
+    ("prompt-count-unchecked", "servers", "specbatch/serving.py",
+     "if isinstance(prompt_tokens, int) and prompt_tokens != len(ask.token_ids):",
+     "if isinstance(prompt_tokens, int) and prompt_tokens < 0:", SERVER),
+    ("echoed-settings-unchecked", "servers", "specbatch/serving.py",
+     "if key in echoed and key in asked and not _same(echoed[key], asked[key]):",
+     "if key in echoed and key in asked and not _same(echoed[key], echoed[key]):", SERVER),
+    ("server-run-resends-finished", "servers", "specbatch/cli.py",
+     "            previous = read_done(out, known_ids=ids)\n", "            previous = {}\n", SERVER),
+    ("server-run-overwrites-silently", "servers", "specbatch/cli.py",
+     "        elif has_results and not args.overwrite:", "        elif has_results and args.overwrite:", SERVER),
+    ("differential-uses-the-ulp-rule", "servers", "specbatch/conform.py",
+     "    if reference is not None and tolerance is None:", "    if reference is None and tolerance is None:", SERVER),
+    ("tie-gap-to-the-runner-up", "greedy checker", "specbatch/conform.py",
+     "    gap = logit[want[j]] - logit.get(got[j], top[-1][1])", "    gap = margin", CONFORM),
+    ("tie-tolerance-uncapped", "greedy checker", "specbatch/conform.py",
+     "        if value > limit:", "        if value > limit * 1e40:", CONFORM),
+    ("top-p-slack-narrows", "sampled checker", "specbatch/sampled.py",
+     "outside = outside & (sorted_x < last - slack * (1 + last.abs()))",
+     "outside = outside & (sorted_x < last + slack * (1 + last.abs()))", SAMPLED),
 ]
