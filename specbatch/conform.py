@@ -26,7 +26,10 @@ from pathlib import Path
 import numpy as np
 
 MIN_CONTEXT = 64  # the longest request of the fixed classes: a 39-token prompt + 16 new tokens, with room
-VECTORS_VERSION = 3  # 2: SHA-256 of requests.jsonl and reference.jsonl; 3: a pad id distinct from EOS
+VECTORS_VERSION = 4  # 2: SHA-256 of requests.jsonl and reference.jsonl; 3: a pad id distinct from EOS;
+# 4: the manifest's digest of its own fields that decide verdicts (DECISIVE)
+DECISIVE = ("format", "version", "model_class", "config_sha256", "weights_sha256", "dtype", "vocab_size",
+            "eos_token_ids", "pad_token_id", "num_requests", "classes", "tie_ulps_default", "checksums")
 TOP = 8  # logits kept per answer position
 CLASSES = ("pad-in-prompt", "eos-in-prompt", "eos-offset", "budget-mid-round", "short-and-long", "duplicate", "churn",
            "wide-margin")
@@ -168,6 +171,7 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
                 row["text"] = tokenizer.decode(a)
             f.write(json.dumps(row) + "\n")
     manifest["checksums"] = {name: file_digest(out / name) for name in ("requests.jsonl", "reference.jsonl")}
+    manifest["manifest_sha256"] = manifest_digest(manifest, DECISIVE)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -234,6 +238,25 @@ def _token_list(value, nonempty: bool = False) -> bool:
 
 def file_digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def manifest_digest(manifest: dict, fields) -> str:
+    """SHA-256 of the manifest's `fields` (those that decide verdicts), as canonical JSON."""
+    return hashlib.sha256(json.dumps({k: manifest.get(k) for k in fields}, sort_keys=True).encode()).hexdigest()
+
+
+def check_manifest_digest(manifest: dict, fields, where: str, allow_modified: bool, warn) -> None:
+    """Refuse a manifest whose verdict-deciding fields were edited (its digest no longer matches),
+    as altered vector files are refused; with allow_modified, warn instead."""
+    if manifest.get("manifest_sha256") == manifest_digest(manifest, fields):
+        return
+    problem = (f"{where}: the fields that decide verdicts ({', '.join(fields)}) differ from those the vectors were "
+               "made with" if "manifest_sha256" in manifest else f"{where} has no digest of its fields (vectors made "
+               "by an older specbatch)")
+    if not allow_modified:
+        raise VectorError(f"{problem}; make them again, or pass --allow-modified to check against them anyway")
+    if warn is not None:
+        warn(f"{problem}; checking against them anyway (--allow-modified)")
 
 
 def _check_manifest(manifest, where: str) -> None:
@@ -304,6 +327,7 @@ def load_vectors(path, allow_modified: bool = False, warn=None) -> Vectors:
     except InputError as e:
         raise VectorError(str(e)) from None
     _check_manifest(manifest, f"{path}/manifest.json")
+    check_manifest_digest(manifest, DECISIVE, f"{path}/manifest.json", allow_modified, warn)
     checksums = manifest.get("checksums") if isinstance(manifest.get("checksums"), dict) else {}
     for name in ("requests.jsonl", "reference.jsonl"):
         if not (path / name).is_file():
@@ -463,7 +487,12 @@ def check_outputs(vectors, outputs, ulps: float | None = None, reference: dict |
     vectors = vectors if isinstance(vectors, Vectors) else load_vectors(vectors)
     dtype = vectors.manifest["dtype"]
     check_tolerance(dtype, ulps, tolerance, differential=reference is not None)
-    ulps = vectors.manifest.get("tie_ulps_default", 4) if ulps is None else ulps
+    if ulps is None:
+        ulps = vectors.manifest.get("tie_ulps_default", 4)
+        try:
+            check_tolerance(dtype, ulps, None)
+        except VectorError as e:
+            raise VectorError(f"the manifest's tie_ulps_default: {e}") from None
     if reference is not None and tolerance is None:
         tolerance = logprob_tolerance(dtype, ulps)
     references = vectors.reference if reference is None else reference

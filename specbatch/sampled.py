@@ -37,9 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .conform import VectorError, _is_int, _jsonl, _token_list, file_digest, model_identity
+from .conform import (VectorError, _is_int, _jsonl, _token_list, check_manifest_digest, file_digest, manifest_digest,
+                      model_identity)
 
-FORMAT, VERSION = "specbatch-sampled", 1
+FORMAT, VERSION = "specbatch-sampled", 2  # 2: the manifest's digest of the fields that decide verdicts
+DECISIVE = ("format", "version", "model_class", "config_sha256", "weights_sha256", "dtype", "vocab_size",
+            "eos_token_ids", "settings", "samples", "requests_per_setting", "max_new_tokens", "batch_size", "alpha",
+            "num_rows", "checksums")
 ALPHA = 0.001
 NODE_MIN = 25  # samples sharing a prefix before their next tokens are tested as one multinomial
 CELL_MIN = 5.0  # Cochran's rule: expected count of every chi-square cell
@@ -104,6 +108,7 @@ def make_sampled_vectors(target, out_dir, *, tokenizer=None, **options) -> dict:
                 row = dict(row, text=tokenizer.decode(row["token_ids"]))
             f.write(json.dumps(row) + "\n")
     manifest = dict(vectors.manifest, checksums={"rows.jsonl": file_digest(out / "rows.jsonl")})
+    manifest["manifest_sha256"] = manifest_digest(manifest, DECISIVE)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -150,6 +155,7 @@ def load_sampled_vectors(path, allow_modified: bool = False, warn=None) -> Sampl
         raise VectorError(f"{path}/manifest.json: not a specbatch sampled-vectors manifest")
     if not (path / "rows.jsonl").is_file():
         raise VectorError(f"{path}: rows.jsonl is missing")
+    check_manifest_digest(manifest, DECISIVE, f"{path}/manifest.json", allow_modified, warn)
     if manifest.get("checksums", {}).get("rows.jsonl") != file_digest(path / "rows.jsonl"):
         problem = f"{path}/rows.jsonl differs from the vectors that were made (its SHA-256 is not the manifest's)"
         if not allow_modified:

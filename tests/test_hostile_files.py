@@ -409,3 +409,36 @@ def test_check_engine_takes_a_model_and_a_timeout():
         check_engine(hangs, target, batch_sizes=(4,), orders=("input",), timeout=0.5)
     with pytest.raises(ConformanceError, match="vectors must be"):
         check_engine(hangs, 42)
+
+
+@pytest.mark.parametrize("field,value", [("tie_ulps_default", 1e30), ("dtype", "bfloat16"), ("eos_token_ids", []),
+                                         ("pad_token_id", 0), ("classes", ["churn"])])
+def test_an_edited_manifest_is_refused_like_altered_vectors(vectors_folder, tmp_path, capsys, field, value):
+    """Every manifest field that decides a verdict is covered by its digest: editing one (a looser
+    tie tolerance, another dtype, no EOS ids, ...) is refused in one line, as altered files are."""
+    folder = tmp_path / "v"
+    shutil.copytree(vectors_folder, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest[field] = value
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    outputs = reference_outputs_file(vectors_folder, tmp_path / "out.jsonl")
+    exit_2_with(capsys, ["conform", "check", str(folder), str(outputs)], "the fields that decide verdicts")
+    if field == "tie_ulps_default":  # even when told to check anyway, a tolerance past the cap is refused
+        exit_2_with(capsys, ["conform", "check", "--allow-modified", str(folder), str(outputs)], "cap",
+                    warnings_ok=True)
+
+
+def test_an_edited_sampled_manifest_is_refused(tmp_path):
+    from specbatch.conform import VectorError
+    from specbatch.sampled import load_sampled_vectors, make_sampled_vectors
+    from specbatch.testing import toy_sampling_pair
+    make_sampled_vectors(toy_sampling_pair()[0], tmp_path / "s", samples=4)
+    load_sampled_vectors(tmp_path / "s")
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    manifest["alpha"] = 0.5
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(VectorError, match="the fields that decide verdicts"):
+        load_sampled_vectors(tmp_path / "s")
+    warned = []
+    assert load_sampled_vectors(tmp_path / "s", allow_modified=True, warn=warned.append).manifest["alpha"] == 0.5
+    assert warned and "--allow-modified" in warned[0]

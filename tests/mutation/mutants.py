@@ -281,4 +281,7 @@ MUTANTS = [
     ("top-p-slack-narrows", "sampled checker", "specbatch/sampled.py",
      "outside = outside & (sorted_x < last - slack * (1 + last.abs()))",
      "outside = outside & (sorted_x < last + slack * (1 + last.abs()))", SAMPLED),
+    ("manifest-digest-unchecked", "files", "specbatch/conform.py",
+     'if manifest.get("manifest_sha256") == manifest_digest(manifest, fields):',
+     'if manifest.get("manifest_sha256") is not None or True:', HOSTILE),
 ]
