@@ -335,6 +335,8 @@ def _conform_make(args) -> int:
         if args.eos_ids:
             raise UserError("--eos-ids applies to --sampled vectors (greedy vectors choose extra EOS ids themselves)")
         manifest = make_vectors(target, out, tokenizer=tokenizer, seed=args.seed, max_context=args.max_context)
+        from .conform import coverage_table
+        print(coverage_table(out))
         print(f"{manifest['num_requests']} requests in {out} (classes: {', '.join(manifest['classes'])}); "
               f"EOS ids {manifest['eos_token_ids']}, pad id {manifest['pad_token_id']}")
         return 0
@@ -492,6 +494,8 @@ def _conform_check_greedy(args) -> int:
         from .conform import differential_reference
         reference = differential_reference(vectors, read_outputs(args.against)[0])
     report = check_outputs(vectors, outputs, ulps=args.tie_ulps, reference=reference, tolerance=args.tie_tolerance)
+    from .conform import coverage_table
+    print(coverage_table(vectors))
     if args.against:
         print(f"reference: {args.against} (the engine's own run), ties within {report.tolerance:.3g} in logprob")
     print(report.table())

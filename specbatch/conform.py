@@ -520,6 +520,35 @@ def check_outputs(vectors, outputs, ulps: float | None = None, reference: dict |
     return report
 
 
+ROUND = 5  # tokens one speculative round can commit at the default k = 4: EOS offsets 1..ROUND
+
+
+def coverage(vectors) -> list[tuple[str, int]]:
+    """How often each known failure class occurs in the vectors, read from the vectors themselves
+    (requests and reference answers), not from the parameters that made them: [(what, count)]."""
+    vectors = vectors if isinstance(vectors, Vectors) else load_vectors(vectors)
+    eos = set(vectors.manifest["eos_token_ids"])
+    pad = vectors.manifest.get("pad_token_id")
+    answers = [vectors.reference[r["id"]]["token_ids"] for r in vectors.requests]
+    stops = [len(a) for a in answers if a and a[-1] in eos]
+    longest = max(len(p) for p in vectors.prompts)
+    rows = [("EOS at the first new token", stops.count(1))]
+    rows += [(f"EOS at new token {k} (offset {k} of a round of {ROUND})", stops.count(k)) for k in range(2, ROUND + 1)]
+    rows += [("budget of 1 token", sum(m == 1 for m in vectors.budgets)),
+             ("pad id inside a prompt", sum(pad in p for p in vectors.prompts)),
+             ("EOS id inside a prompt", sum(bool(eos & set(p)) for p in vectors.prompts)),
+             ("one-token prompt", sum(len(p) == 1 for p in vectors.prompts)),
+             (f"prompt of 80% or more of the longest ({longest})", sum(len(p) >= 0.8 * longest for p in vectors.prompts)),
+             ("duplicated prompt", len(vectors.prompts) - len({tuple(p) for p in vectors.prompts})),
+             ("mixed budgets (distinct budgets)", len(set(vectors.budgets)))]
+    return rows
+
+
+def coverage_table(vectors) -> str:
+    lines = ["| failure class in the vectors | requests |", "|---|---|"]
+    return "\n".join(lines + [f"| {what} | {count} |" for what, count in coverage(vectors)])
+
+
 def check_identity(vectors, model) -> list[str]:
     """Differences between the model and the one the vectors were made with (empty: the same)."""
     manifest = vectors.manifest if hasattr(vectors, "manifest") else load_vectors(vectors).manifest

@@ -248,3 +248,29 @@ def test_the_verdict_line_states_a_tolerance_that_is_not_the_default(vectors, tm
     assert f"tie tolerance 1000 ulps, not the default {default}" in capsys.readouterr().out
     assert main(["conform", "check", str(vectors), str(outputs)]) == 0
     assert "not the default" not in capsys.readouterr().out
+
+
+def test_the_vectors_cover_every_known_failure_class(vectors, capsys, tmp_path):
+    """Read from the vectors themselves: every class occurs (and conform check prints the table)."""
+    from specbatch.conform import ROUND, coverage
+    counts = dict(coverage(vectors))
+    assert counts["EOS at the first new token"] >= 1
+    for k in range(2, ROUND + 1):
+        assert counts[f"EOS at new token {k} (offset {k} of a round of {ROUND})"] >= 1, k
+    for what in ("budget of 1 token", "pad id inside a prompt", "EOS id inside a prompt", "one-token prompt",
+                 "duplicated prompt"):
+        assert counts[what] >= 1, what
+    assert next(c for w, c in counts.items() if w.startswith("prompt of 80%")) >= 2
+    assert counts["mixed budgets (distinct budgets)"] >= 9
+    outputs = tmp_path / "o.jsonl"
+    outputs.write_text("".join(json.dumps(r) + "\n" for r in reference_rows(vectors)))
+    assert main(["conform", "check", str(vectors), str(outputs)]) == 0
+    assert "| EOS at the first new token |" in capsys.readouterr().out
+
+
+@pytest.mark.full
+def test_conform_make_prints_the_coverage_table(folders, tmp_path, capsys):
+    assert main(["conform", "make", "--target", str(folders["target"]), "--max-context", "120", "--out",
+                 str(tmp_path / "v")]) == 0
+    out = capsys.readouterr().out
+    assert "| failure class in the vectors | requests |" in out and "| budget of 1 token | 1 |" in out

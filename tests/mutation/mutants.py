@@ -284,4 +284,7 @@ MUTANTS = [
     ("manifest-digest-unchecked", "files", "specbatch/conform.py",
      'if manifest.get("manifest_sha256") == manifest_digest(manifest, fields):',
      'if manifest.get("manifest_sha256") is not None or True:', HOSTILE),
+    ("eos-offset-skips-the-first", "greedy checker", "specbatch/conform.py",
+     "for offset, (prompt, cont) in enumerate(zip(eos_candidates, continuations), 1):",
+     "for offset, (prompt, cont) in enumerate(zip(eos_candidates, continuations), 2):", CONFORM),
 ]
