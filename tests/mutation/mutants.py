@@ -22,6 +22,7 @@ BACKEND = ["tests/test_backend.py"]
 SAMPLED = ["tests/test_sampled.py"]
 TENSOR_PARALLEL = ["tests/test_tensor_parallel.py"]
 SERVER = ["tests/test_server_adapter.py"]
+RESUME = ["tests/test_resume_rules.py"]
 CONFORM = ["tests/test_conform.py"]
 
 MUTANTS = [
@@ -284,7 +285,21 @@ MUTANTS = [
     ("manifest-digest-unchecked", "files", "specbatch/conform.py",
      'if manifest.get("manifest_sha256") == manifest_digest(manifest, fields):',
      'if manifest.get("manifest_sha256") is not None or True:', HOSTILE),
-    ("eos-offset-skips-the-first", "greedy checker", "specbatch/conform.py",
-     "for offset, (prompt, cont) in enumerate(zip(eos_candidates, continuations), 1):",
-     "for offset, (prompt, cont) in enumerate(zip(eos_candidates, continuations), 2):", CONFORM),
+    # ---- resume rules and refusals (tests/test_resume_rules.py)
+    ("resume-keeps-a-short-result", "files", "specbatch/resume.py",
+     'ok = ((reason == "length" and len(tokens) == budget)', 'ok = ((reason == "length" and len(tokens) <= budget)',
+     RESUME),
+    ("resume-compares-old-keys-only", "files", "specbatch/resume.py",
+     "for key in sorted(set(old) | set(new)):", "for key in sorted(set(old)):", RESUME),
+    ("resume-forgives-any-malformed-line", "files", "specbatch/io.py",
+     'if n - 1 == last and "malformed JSON" in str(e):', 'if "malformed JSON" in str(e):', RESUME),
+    ("resume-keeps-duplicate-ids", "files", "specbatch/io.py",
+     "        if ident in done:\n", "        if ident in done and False:\n", RESUME),
+    ("resumed-writer-truncates", "files", "specbatch/io.py",
+     "self.file = open_for_writing(self.path, append=bool(previous))", "self.file = open_for_writing(self.path)",
+     RESUME),
+    ("arrivals-skip-the-first-pair", "options", "specbatch/options.py",
+     "if i and v < values[i - 1]:", "if i > 1 and v < values[i - 1]:", RESUME),
+    ("tp-ignores-kv-heads", "tensor parallel", "specbatch/tensor_parallel.py",
+     'for field in ("num_attention_heads", "num_key_value_heads"):', 'for field in ("num_attention_heads",):', RESUME),
 ]
