@@ -442,3 +442,25 @@ def test_an_edited_sampled_manifest_is_refused(tmp_path):
     warned = []
     assert load_sampled_vectors(tmp_path / "s", allow_modified=True, warn=warned.append).manifest["alpha"] == 0.5
     assert warned and "--allow-modified" in warned[0]
+
+
+def test_a_converted_model_changed_in_place_is_never_decoded(tmp_path, monkeypatch):
+    """The converted SmolLM2 cache carries the SHA-256 of its files from the conversion: weights
+    altered in place (still loadable) are refused in one line naming the folder."""
+    import torch
+
+    from hf_models import save_folder
+    from specbatch.errors import UserError
+    from specbatch.fast.loading import write_digest
+    from specbatch.prepare import load
+    converted = tmp_path / "cache" / "smollm2" / "converted"
+    save_folder(converted, tiny("llama", dtype=torch.float32))
+    write_digest(converted)
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    assert load("smollm2")[0] is not None  # as converted: loads
+    weights = bytearray((converted / "model.safetensors").read_bytes())
+    weights[-4] ^= 0x01  # one bit of the last weight: the file still loads
+    (converted / "model.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(UserError, match=f"{converted} cannot be loaded \\(model.safetensors changed since it was "
+                                        "converted"):
+        load("smollm2")

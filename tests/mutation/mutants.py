@@ -302,4 +302,6 @@ MUTANTS = [
      "if i and v < values[i - 1]:", "if i > 1 and v < values[i - 1]:", RESUME),
     ("tp-ignores-kv-heads", "tensor parallel", "specbatch/tensor_parallel.py",
      'for field in ("num_attention_heads", "num_key_value_heads"):', 'for field in ("num_attention_heads",):', RESUME),
+    ("model-cache-digest-unchecked", "files", "fast/loading.py",
+     "if recorded.get(name) != digest]", "if recorded.get(name) is None and False]", HOSTILE),
 ]
