@@ -238,6 +238,10 @@ class ServerEngine:
             raise ServerError(f"--server {self.url!r} is not an http:// or https:// address")
         self.url = self.url.rstrip("/")
         self.protocol = PROTOCOLS[self.api]
+        # a server on this machine is reached directly, whatever proxy the environment names
+        loopback = parts.hostname in ("localhost", "::1") or (parts.hostname or "").startswith("127.")
+        self._open = (urllib.request.build_opener(urllib.request.ProxyHandler({})).open if loopback
+                      else urllib.request.urlopen)
 
     @property
     def limits(self) -> tuple:
@@ -254,7 +258,7 @@ class ServerEngine:
         for attempt in range(self.retries + 1):
             request = urllib.request.Request(address, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with self._open(request, timeout=self.timeout) as response:
                     text = response.read().decode("utf-8", "replace")
                 break
             except urllib.error.HTTPError as e:

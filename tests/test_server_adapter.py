@@ -76,7 +76,10 @@ def test_llama_cpp_states_that_it_cannot_judge_stop_ids(pair, vectors):
     assert not ServerEngine("http://127.0.0.1:1", "openai").limits
 
 
-def test_the_server_engine_is_an_engine_of_the_kit(pair, vectors):
+def test_the_server_engine_is_an_engine_of_the_kit(pair, vectors, monkeypatch):
+    import urllib.request
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # a proxy in the environment: loopback is reached directly
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's cached opener would hide the environment
     with serve(pair) as server:
         engine = ServerEngine(server.url)
         got = engine(vectors.prompts[:6], vectors.budgets[:6], vectors.manifest["eos_token_ids"], batch_size=3)
