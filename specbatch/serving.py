@@ -37,6 +37,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
+from .conform import _is_int
+from .conform import _token_list as _ids
 from .errors import UserError
 
 
@@ -192,14 +194,6 @@ class LlamaCppProtocol(Protocol):
 
 
 PROTOCOLS = {p.name: p for p in (OpenAIProtocol(), LlamaCppProtocol())}
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _ids(value) -> bool:
-    return isinstance(value, list) and all(_is_int(t) and t >= 0 for t in value)
 
 
 def _same(a, b) -> bool:

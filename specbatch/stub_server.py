@@ -144,6 +144,57 @@ class StubServer:
         return _top_logits(self.target, prompt, answer, top=count, log_softmax=True)
 
 
+def _complete(server: StubServer, body: dict, budget_key: str, eos: list) -> tuple[dict, list[int]]:
+    """(request, new tokens) for a request body; ValueError (HTTP 400) for a prompt that is not ids."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        raise ValueError("prompt must be a list of token ids")
+    top_k = body.get("top_k")
+    request = dict(prompt=prompt, budget=int(body.get(budget_key) or 16), eos=eos,
+                   temperature=float(body.get("temperature", 1.0)), top_k=int(top_k) if top_k and top_k > 0 else None,
+                   top_p=None if body.get("top_p", 1.0) >= 1.0 else float(body["top_p"]),
+                   seed=int(body.get("seed") or 0))
+    return request, [int(t) for t in server.complete(request)]
+
+
+def _prompt_count(server: StubServer, request: dict) -> int:
+    return len(request["prompt"]) * (3 if server.bug == "text-prompt" else 1)
+
+
+def openai_reply(server: StubServer, body: dict) -> dict:
+    """POST /v1/completions as vLLM answers it (the stop token id left out of the output)."""
+    eos = list(body.get("stop_token_ids") or [])
+    request, tokens = _complete(server, body, "max_tokens", eos)
+    top = server.top_logprobs(request["prompt"], tokens, int(body["logprobs"])) if body.get("logprobs") else []
+    finish, stop = "length", None
+    if tokens and tokens[-1] in eos and server.bug != "eos-overrun":
+        stop, finish = tokens.pop(), "stop"
+    choice = dict(index=0, text=" ".join(map(str, tokens)), finish_reason=finish, stop_reason=stop)
+    if server.bug != "text-only":
+        choice["token_ids"] = tokens
+    if body.get("logprobs"):
+        names = [str(t) if server.bug == "text-only" else f"token_id:{t}" for t in tokens]
+        choice["logprobs"] = dict(tokens=names, top_logprobs=[{f"token_id:{t}": v for t, v in p} for p in top])
+    return dict(object="text_completion", choices=[choice],
+                usage=dict(prompt_tokens=_prompt_count(server, request), completion_tokens=len(tokens)))
+
+
+def llama_reply(server: StubServer, body: dict) -> dict:
+    """POST /completion as llama-server answers it (no stop ids: it runs to n_predict here)."""
+    request, tokens = _complete(server, body, "n_predict", [])
+    settings = {k: body.get(k) for k in ("temperature", "top_k", "top_p", "n_predict", "min_p", "samplers")}
+    if server.bug == "drops-top-k":
+        settings["top_k"] = 40
+    reply = dict(content=" ".join(map(str, tokens)), tokens=[] if server.bug == "text-only" else tokens,
+                 stop_type="limit", generation_settings=settings, tokens_evaluated=_prompt_count(server, request))
+    if body.get("n_probs"):
+        top = server.top_logprobs(request["prompt"], tokens, int(body["n_probs"]))
+        reply["completion_probabilities"] = [
+            dict(id=t, logprob=dict(p).get(t, p[-1][1]), top_logprobs=[dict(id=a, logprob=b) for a, b in p])
+            for t, p in zip(tokens, top)]
+    return reply
+
+
 def _handler(server: StubServer):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):  # quiet
@@ -158,66 +209,13 @@ def _handler(server: StubServer):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             except json.JSONDecodeError:
                 return self._send(400, {"error": {"message": "body is not JSON"}})
-            if self.path == "/v1/completions":
-                return self._openai(body)
-            if self.path == "/completion":
-                return self._llama(body)
-            self._send(404, {"error": {"message": f"no route {self.path}"}})
-
-        def _request(self, body, budget_key, eos):
-            prompt = body.get("prompt")
-            if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-                raise ValueError("prompt must be a list of token ids")
-            top_k = body.get("top_k")
-            return dict(prompt=prompt, budget=int(body.get(budget_key) or 16), eos=eos,
-                        temperature=float(body.get("temperature", 1.0)),
-                        top_k=int(top_k) if top_k and top_k > 0 else None,
-                        top_p=None if body.get("top_p", 1.0) >= 1.0 else float(body["top_p"]),
-                        seed=int(body.get("seed") or 0))
-
-        def _answer(self, body, budget_key, eos):
-            request = self._request(body, budget_key, eos)
-            tokens = server.complete(request)
-            return request, [int(t) for t in tokens]
-
-        def _openai(self, body):
-            eos = list(body.get("stop_token_ids") or [])
+            reply = {"/v1/completions": openai_reply, "/completion": llama_reply}.get(self.path)
+            if reply is None:
+                return self._send(404, {"error": {"message": f"no route {self.path}"}})
             try:
-                request, tokens = self._answer(body, "max_tokens", eos)
+                self._send(200, reply(server, body))
             except ValueError as e:
-                return self._send(400, {"error": {"message": str(e)}})
-            top = server.top_logprobs(request["prompt"], tokens, int(body["logprobs"])) if body.get("logprobs") else []
-            finish, stop = "length", None
-            if tokens and tokens[-1] in eos and server.bug != "eos-overrun":
-                stop, finish = tokens.pop(), "stop"  # as vLLM: the stop token id is not in the output
-            choice = dict(index=0, text=" ".join(map(str, tokens)), finish_reason=finish, stop_reason=stop)
-            if server.bug != "text-only":
-                choice["token_ids"] = tokens
-            if body.get("logprobs"):
-                choice["logprobs"] = dict(tokens=[f"token_id:{t}" for t in tokens] if server.bug != "text-only"
-                                          else [str(t) for t in tokens],
-                                          top_logprobs=[{f"token_id:{t}": v for t, v in p} for p in top])
-            prompt_tokens = len(request["prompt"]) * (3 if server.bug == "text-prompt" else 1)
-            self._send(200, dict(object="text_completion", choices=[choice],
-                                 usage=dict(prompt_tokens=prompt_tokens, completion_tokens=len(tokens))))
-
-        def _llama(self, body):
-            try:
-                request, tokens = self._answer(body, "n_predict", [])  # llama.cpp stops at the model's own EOS
-            except ValueError as e:
-                return self._send(400, {"error": {"message": str(e)}})
-            settings = {k: body.get(k) for k in ("temperature", "top_k", "top_p", "n_predict", "min_p", "samplers")}
-            if server.bug == "drops-top-k":
-                settings["top_k"] = 40
-            reply = dict(content=" ".join(map(str, tokens)), tokens=[] if server.bug == "text-only" else tokens,
-                         stop_type="limit", generation_settings=settings,
-                         tokens_evaluated=len(request["prompt"]) * (3 if server.bug == "text-prompt" else 1))
-            if body.get("n_probs"):
-                top = server.top_logprobs(request["prompt"], tokens, int(body["n_probs"]))
-                reply["completion_probabilities"] = [
-                    dict(id=t, logprob=dict(p).get(t, p[-1][1]), top_logprobs=[dict(id=a, logprob=b) for a, b in p])
-                    for t, p in zip(tokens, top)]
-            self._send(200, reply)
+                self._send(400, {"error": {"message": str(e)}})
 
         def _send(self, code, obj):
             data = json.dumps(obj).encode()

@@ -200,26 +200,32 @@ def one_line_error(capsys, argv, *needles):
 @pytest.mark.parametrize("bug,needle", [("text-only", "text without token ids"),
                                         ("text-prompt", "did not take the prompt as token ids")])
 def test_unusable_servers_are_one_line_errors(pair, vectors, greedy_vectors, tmp_path, capsys, bug, needle):
+    out = tmp_path / "o.jsonl"
     with serve(pair, vectors, bug=bug) as server:
-        one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", server.url,
-                                "--out", str(tmp_path / "o.jsonl")], needle, "--resume sends the rest")
+        line = one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", server.url,
+                                       "--out", str(out)], needle, "--resume sends the rest")
+    assert line.count("error:") == 1 and out.read_text() == ""  # no unusable answer kept
 
 
 def test_an_unreachable_server_is_one_line(greedy_vectors, tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"
-    one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", url, "--retries", "1",
-                            "--out", str(tmp_path / "o.jsonl")], "cannot reach the server", "after 2 attempts")
+    line = one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", url, "--retries", "1",
+                                   "--out", str(tmp_path / "o.jsonl")], "cannot reach the server", "after 2 attempts")
+    assert "0 of 59 results are in" in line
     one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", "ftp://x", "--out",
                             str(tmp_path / "o.jsonl")], "not an http")
     one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", url, "--extra", "[1]", "--out",
-                            str(tmp_path / "o.jsonl")], "--extra must be a JSON object")
+                            str(tmp_path / "x.jsonl")], "--extra must be a JSON object")
+    assert not (tmp_path / "x.jsonl").exists()  # refused before anything is written
 
 
 def test_a_refused_parameter_is_named(pair, greedy_vectors, tmp_path, capsys):
     with serve(pair) as server:
-        one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", server.url, "--extra",
-                                '{"prompt": "text"}', "--out", str(tmp_path / "o.jsonl")],
-                       "HTTP 400", "prompt must be a list of token ids", "(parameter 'prompt')")
+        line = one_line_error(capsys, ["conform", "run", str(greedy_vectors), "--server", server.url, "--extra",
+                                       '{"prompt": "text"}', "--out", str(tmp_path / "o.jsonl")],
+                              "HTTP 400", "prompt must be a list of token ids", "(parameter 'prompt')")
+        assert server.batches == []  # the server ran nothing
+    assert line.endswith("--resume sends the rest)")
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1"])
