@@ -30,6 +30,20 @@ class ModelLoadError(Exception):
     """A model could not be found, fetched or loaded; the message says which and why."""
 
 
+TARGET_NAMES = ("smollm2",)
+DRAFT_NAMES = ("none", "lookup", "truncated:N", "feature:DIR", "conditioned:DIR", *DISTILLED_DRAFTS, *FEATURE_HEADS)
+
+
+def unknown_model(spec: str, names) -> ModelLoadError:
+    """The error for a name that is neither known nor a path: the known names, the nearest first."""
+    import difflib
+    near = difflib.get_close_matches(spec, list(names), n=1, cutoff=0.5)
+    return ModelLoadError(f"no such model folder or file, and no known name: {spec!r}"
+                          + (f" (did you mean {near[0]!r}?)" if near else "")
+                          + f"; known names: {', '.join(names)}; or a Hugging Face folder, a .gguf file, a hub id "
+                          "(owner/name)")
+
+
 def cache_dir() -> Path:
     root = os.environ.get("SPECBATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specbatch")
     return Path(root)
@@ -178,7 +192,7 @@ def load_smollm2(dtype: torch.dtype):
                              f"(rm -r {folder}) and it is rebuilt from the downloaded GGUF on the next run") from None
 
 
-def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu", names=TARGET_NAMES):
     """(model, tokenizer or None) from "smollm2", a folder, a .gguf file or a hub id."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     path = Path(spec).expanduser()
@@ -210,7 +224,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str = "c
             raise ModelLoadError(f"cannot load {spec!r} from the hub (offline, or no such model): "
                                  f"{str(e).splitlines()[0]}") from None
     else:
-        raise ModelLoadError(f"no such model folder or file: {spec}")
+        raise unknown_model(spec, names)
     return model.to(check_device(device)).eval(), tokenizer
 
 
@@ -323,4 +337,4 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
             from .reduced_head import ReducedHeadDraft
             model = ReducedHeadDraft(model, json.loads(tokens.read_text()))
         return model, None
-    return load_model(spec, dtype, device)
+    return load_model(spec, dtype, device, names=DRAFT_NAMES + tuple(f"{n}+lookup" for n in DISTILLED_DRAFTS))

@@ -24,7 +24,8 @@ from .verify import greedy_accept
 
 def processed_log_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None):
     """log-probabilities after temperature, top-k and top-p (float64; -inf outside the kept set)."""
-    x = logits.double() / temperature
+    x = logits.double()
+    x = (x - x.amax(dim=-1, keepdim=True)) / temperature  # top logit 0 first: finite at any normal temperature
     if top_k is not None and top_k < x.shape[-1]:
         kth = x.topk(top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -126,10 +126,13 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+# the layout each strategy's verify rows have (the broken variants too: their traces show their violations)
+STRATEGY_LAYOUTS = {"eqspec": "rectangular", "exspec": "rectangular", "ragged": "ragged",
+                    "bsp-like": "rectangular", "dsd-like": "rectangular"}
 HEADER_FIELDS = {  # field: (check, what it must be)
     "version": (lambda x: x in (1, TRACE_VERSION), f"1 or {TRACE_VERSION}"),
     "layout": (lambda x: x in ("rectangular", "ragged"), "'rectangular' or 'ragged'"),
-    "strategy": (lambda x: isinstance(x, str), "a string"),
+    "strategy": (lambda x: x in STRATEGY_LAYOUTS, f"one of {', '.join(STRATEGY_LAYOUTS)}"),
     "eos_token_ids": (_ints, "a list of integers"),
     "max_new_tokens": (lambda x: _is_int(x) or _ints(x), "an integer or a list of integers"),
     "num_requests": (lambda x: _is_int(x) and x >= 0, "a non-negative integer"),
@@ -175,6 +178,9 @@ def validate_schema(path, header: dict, rounds: list, results: dict | None) -> N
     """The trace's structure (fields present, types right), before any invariant is checked:
     TraceError naming the line's kind and the field."""
     _require(header, HEADER_FIELDS, f"{path}: header")
+    if header["layout"] != STRATEGY_LAYOUTS[header["strategy"]]:
+        raise TraceError(f"{path}: header: strategy {header['strategy']!r} lays rows out "
+                         f"{STRATEGY_LAYOUTS[header['strategy']]}, but the layout says {header['layout']!r}")
     v2 = header["version"] >= 2
     if v2:
         _require(header, HEADER_FIELDS_V2, f"{path}: header")

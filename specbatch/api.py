@@ -22,15 +22,35 @@ from .options import (STRATEGIES, GenerateOptions, check_arrivals, check_choice,
 BROKEN = ("bsp-like", "dsd-like")  # deliberately wrong: generate_variant (bench, tests) only
 
 
-def _prompt_ids(prompts, tokenizer, vocab: int) -> list[list[int]]:
+def decode_text(tokens, tokenizer) -> str:
+    """What a reader sees: special tokens (the chat template's end token, EOS) left out; the token
+    ids keep everything."""
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def encode_text(text: str, tokenizer, chat_template: bool | None) -> list[int]:
+    """A string prompt's token ids: wrapped as one user turn in the tokenizer's chat template when
+    it has one (chat_template None or True; True without a template is an error), else encoded as it is."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template and not has_template:
+        raise ValueError("chat_template=True, but the tokenizer has no chat template; pass chat_template=False")
+    if has_template and chat_template is not False:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _prompt_ids(prompts, tokenizer, vocab: int, chat_template: bool | None = None) -> list[list[int]]:
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists (or strings with tokenizer=)")
+    if chat_template not in (None, True, False):
+        raise ValueError(f"chat_template must be None, True or False, got {chat_template!r}")
     out = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise ValueError(f"prompt {i} is a string; pass tokenizer= to encode strings")
-            prompt = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            prompt = encode_text(prompt, tokenizer, chat_template)
         if not isinstance(prompt, (list, tuple)) and not hasattr(prompt, "tolist"):
             raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
@@ -47,21 +67,24 @@ def _prompt_ids(prompts, tokenizer, vocab: int) -> list[list[int]]:
 
 def generate(target, draft, prompts, options: GenerateOptions | None = None, *, eos_token_id=None,
              pad_token_id=None, tokenizer=None, draft_tokenizer=None, check_invariants: bool = False, trace=None,
-             progress: bool = False, on_result=None, arrivals=None, request_ids=None,
+             progress: bool = False, on_result=None, arrivals=None, request_ids=None, chat_template=None,
              **settings) -> GenerationResult:
     """Generate with `target`, drafting with `draft` (None: target-only decoding, same code path).
 
     Greedy output equals target-only greedy decoding token for token (proofs_notes/).
-    prompts: token-id lists, or strings with tokenizer=. Request id = index in prompts; results come
-    back in input order.
+    prompts: token-id lists, or strings with tokenizer=. A string is one user turn in the tokenizer's
+    chat template when it has one (chat_template=False: the string as it is; True: the template or
+    an error). Request id = index in prompts; results come back in input order.
     options / settings: how to decode, a `specbatch.GenerateOptions` and any of its fields by keyword
     (strategy, num_draft_tokens, batch_size, max_new_tokens (int, or one per prompt), draft_threshold,
     draft_floor, policy, temperature, top_k, top_p, sampling, seed (int, or one per prompt),
     prepack, compile, max_wait, pool_window); a keyword wins over `options`, and what neither
     gives comes from `specbatch.options.defaults()`. docs/api.md describes each field.
     eos_token_id: int or list; default: every id in target.generation_config.eos_token_id.
-    check_invariants: check I1-I6 every round (slow; raises invariants.InvariantError).
+    check_invariants: check I1-I7 every round (slow; raises invariants.InvariantError).
     trace: path of a JSONL round trace (invariants.trace format).
+    progress: a progress bar on stderr, labelled by the strategy (target-only without a draft), or by
+    the string given.
     arrivals: optional arrival time (seconds after the start, finite, nondecreasing) per request, for
     latency benchmarks: a request is not scheduled before it arrives; request_stats then hold its latency.
     request_ids: the ids that key sampling randomness (default: the prompt indices); data-parallel
@@ -75,7 +98,7 @@ def generate(target, draft, prompts, options: GenerateOptions | None = None, *, 
     return _generate(target, draft, prompts, opts, floor_chosen, eos_token_id=eos_token_id,
                      pad_token_id=pad_token_id, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
                      check_invariants=check_invariants, trace=trace, progress=progress, on_result=on_result,
-                     arrivals=arrivals, request_ids=request_ids)
+                     arrivals=arrivals, request_ids=request_ids, chat_template=chat_template)
 
 
 def generate_variant(target, draft, prompts, *, variant: str, **settings) -> GenerationResult:
@@ -90,7 +113,7 @@ def generate_variant(target, draft, prompts, *, variant: str, **settings) -> Gen
 def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool, *, variant: str | None = None,
               eos_token_id=None, pad_token_id=None, tokenizer=None, draft_tokenizer=None,
               check_invariants: bool = False, trace=None, progress: bool = False, on_result=None, arrivals=None,
-              request_ids=None) -> GenerationResult:
+              request_ids=None, chat_template=None) -> GenerationResult:
     if not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a non-empty list of token-id lists (or strings with tokenizer=)")
     opts = check_options(opts, len(prompts), floor_chosen)
@@ -113,7 +136,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
         eos_token_id = list(check_token_ids("eos_token_id", eos_token_id, vocab))
     if pad_token_id is not None:
         check_token_id("pad_token_id", pad_token_id, vocab)
-    ids = _prompt_ids(prompts, tokenizer, vocab)
+    ids = _prompt_ids(prompts, tokenizer, vocab, chat_template)
     max_new = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(ids)
     if len(max_new) != len(ids):
         raise ValueError(f"max_new_tokens has {len(max_new)} entries for {len(ids)} prompts")
@@ -170,7 +193,8 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(ids), desc=f"{strategy}", unit="req", leave=False)
+        label = progress if isinstance(progress, str) else strategy if draft is not None else "target-only"
+        bar = tqdm(total=len(ids), desc=label, unit="req", leave=False)
 
     def on_done(request, tokens, reason, rounds):
         results[request] = (tokens, reason, rounds, time.perf_counter() - start)
@@ -205,7 +229,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     reasons = [results[r][1] for r in range(len(ids))]
     if writer is not None:
         writer.results(sequences, reasons)
-    texts = [tokenizer.decode(s) for s in sequences] if tokenizer is not None else None
+    texts = [decode_text(s, tokenizer) for s in sequences] if tokenizer is not None else None
     per_request = [dict(rounds=results[r][2], accepted_length=len(results[r][0]) / max(results[r][2], 1),
                         latency=results[r][3] - (arrivals[r] if arrivals is not None else 0.0))
                    for r in range(len(ids))]

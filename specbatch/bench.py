@@ -13,7 +13,9 @@ methods innermost, so machine drift touches every method alike, and every second
 methods of a batch size in reverse order (target-only last instead of first), so a machine that
 slows down or speeds up during a run favours neither; figures are means over repeats, and beside
 each ratio of means the ratios of each repeat's own runs (paired) and their median.
-Writes bench.json, bench.md and two PNG plots into --out-dir.
+Each finished run is appended to runs.jsonl in --out-dir at once (outputs and stats, fsync'd),
+so an interrupted bench keeps its runs and `--resume` runs only the rest; at the end bench.json,
+bench.md and two PNG plots are written there.
 """
 from __future__ import annotations
 
@@ -78,10 +80,11 @@ def run_method(method, batch, target, draft, ids, opts: GenerateOptions, eos_ids
     if method in BROKEN_METHODS:  # they reproduce published mistakes, which drafted k tokens in every row
         from .api import generate_variant
         fields = {name: getattr(run, name) for name in GenerateOptions.names() if name not in ("strategy",)}
-        result = generate_variant(target, draft, ids, variant=method, progress=True,
+        result = generate_variant(target, draft, ids, variant=method, progress=f"{method} b{batch}",
                                   **{**fields, "policy": "fixed"})
     else:
-        result = specbatch.generate(target, None if method == "ar" else draft, ids, run, progress=True)
+        result = specbatch.generate(target, None if method == "ar" else draft, ids, run,
+                                    progress=f"{method} b{run.batch_size}")
     return result.sequences, result.stats
 
 
@@ -148,7 +151,7 @@ def plot(rows, out_dir: Path) -> list[str]:
 
 
 def prompt_categories(path) -> list[str]:
-    """The `category` of each line of a JSONL prompt file (Spec-Bench has one; "all" where missing)."""
+    """The `category` of each line of a JSONL prompt file (Spec-Bench has one; None where missing)."""
     from .io import InputError, loads_strict, text_lines
     lines = [line for line in text_lines(Path(path), "prompt file") if line.strip()]
     try:
@@ -157,7 +160,7 @@ def prompt_categories(path) -> list[str]:
         objects = None
     if objects is None or not all(isinstance(o, dict) for o in objects):
         raise UserError(f"--per-category needs a JSONL prompt file (objects with a 'category'); {path} is not one")
-    return [str(o.get("category", "all")) for o in objects]
+    return [None if o.get("category") is None else str(o["category"]) for o in objects]
 
 
 def first_per_category(categories: list[str], count: int) -> list[int]:
@@ -175,7 +178,12 @@ def select_prompts(path, per_category: int = 0) -> list:
     """The prompt file's (id, text) pairs; per_category > 0: the first that many of each category."""
     prompts = read_prompt_file(path)
     if per_category:
-        prompts = [prompts[i] for i in first_per_category(prompt_categories(path), per_category)]
+        categories = prompt_categories(path)
+        if set(categories) == {None}:
+            raise UserError(f"--per-category: no line of {path} has a 'category' field; drop the option or use "
+                            "--limit")
+        prompts = [prompts[i] for i in first_per_category(["all" if c is None else c for c in categories],
+                                                          per_category)]
     return prompts
 
 
@@ -249,7 +257,7 @@ def arrival_bench(target, draft, ids, args, opts: GenerateOptions, batch: int, m
         print(f"[arrivals] {method} batch {batch}", file=sys.stderr)
         run = dataclasses.replace(opts, batch_size=batch, strategy="ragged" if method == "ar" else method)
         result = specbatch.generate(target, None if method == "ar" else draft, ids, run, arrivals=list(arrivals),
-                                    progress=True)
+                                    progress=f"{method} b{batch} arrivals")
         latency = np.array([r["latency"] for r in result.request_stats])
         rows.append(dict(method=method, batch=batch, mean=float(latency.mean()), p50=float(np.percentile(latency, 50)),
                          p90=float(np.percentile(latency, 90)), p99=float(np.percentile(latency, 99)),
@@ -277,6 +285,65 @@ def report_markdown(report: dict) -> str:
     return f"Command: `{report['setup']['command']}`\n\nMachine: {report['machine']['summary']}\n\n{table}\n"
 
 
+def plan_units(methods, batch_sizes, repeats) -> list[dict]:
+    """The runs of a bench in the order they run, each with a stable id: the target-only reference at
+    batch 1 first when no "ar" run at batch 1 gives it; batch 1 first; repeats outermost; every second
+    repeat runs a batch size's methods in reverse (ABBA: drift cancels in pairs)."""
+    units = []
+    if "ar" not in methods or 1 not in batch_sizes:
+        units.append(dict(id="reference", repeat=-1, method="reference", batch=1))
+    order = sorted(batch_sizes, key=lambda b: b != 1)  # batch 1 first: its "ar" run is the reference
+    for repeat in range(repeats):
+        for batch in order:
+            ordered = sorted(methods, key=lambda m: m != "ar")
+            for method in ordered if repeat % 2 == 0 else ordered[::-1]:
+                if method in BATCH_ONE and batch != order[0]:
+                    continue
+                b = 1 if method in BATCH_ONE else batch
+                if method == "eqspec" and b == 1 and "spec1" in methods:
+                    continue  # spec1 is eqspec at batch 1: the same computation
+                units.append(dict(id=f"r{repeat}-{method}-b{b}", repeat=repeat, method=method, batch=b))
+    return units
+
+
+def finite_or_none(stats: dict) -> dict:
+    """Stats as strict JSON holds them: NaN (a figure a method has not) as None."""
+    return {k: None if isinstance(v, float) and v != v else v for k, v in stats.items()}
+
+
+def check_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Nothing replaced unless asked: a folder holding a bench's files needs --resume or --overwrite."""
+    from .io import InputError, check_not_replacing
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out-dir {out_dir} is not a folder")
+    try:
+        holds = check_not_replacing(out_dir / "runs.jsonl", resume, overwrite, "--out-dir:")
+        if not holds and (out_dir / "bench.json").exists() and not overwrite:
+            raise InputError(f"--out-dir {out_dir} already holds a bench (bench.json); pass --overwrite to replace it, "
+                             "or choose another --out-dir")
+    except InputError as e:
+        raise UserError(str(e)) from None
+
+
+def open_journal(path: Path, units, args, opts, target, draft, prompt_file):
+    """The journal of finished runs (one fsync'd line each, with its outputs and stats), checked
+    against this bench's settings on --resume, started afresh otherwise."""
+    from .io import InputError, ResultWriter, read_done
+    from .resume import check_same_run, run_record, write_record
+    record = run_record(target_spec=args.target, draft_spec=args.draft, target=target, draft=draft,
+                        prompts_file=prompt_file, chat_template=args.chat_template, options=opts)
+    record.update(kind="bench", methods=[u["id"] for u in units], per_category=args.per_category, limit=args.limit)
+    previous = {}
+    try:
+        if args.resume and path.exists():
+            check_same_run(path, record)
+            previous = read_done(path, known_ids=[u["id"] for u in units], field="sequences")
+        write_record(path, record)
+    except InputError as e:
+        raise UserError(str(e)) from None
+    return ResultWriter(path, [u["id"] for u in units], previous)
+
+
 def run_bench(args, opts: GenerateOptions) -> int:
     """`specbatch bench`: args holds the bench's own flags (methods, batch sizes, repeats, files), opts
     everything about decoding (the defaults in force for "bench" under the flags given)."""
@@ -289,35 +356,45 @@ def run_bench(args, opts: GenerateOptions) -> int:
     prompt_file = args.prompts or SHIPPED_PROMPTS
     prompts = select_prompts(prompt_file, args.per_category)[:args.limit]
     peer_data = [(path, *read_peer(path, [ident for ident, _ in prompts], UserError)) for path in args.compare or []]
+    out_dir = Path(args.out_dir)
+    journal_path = out_dir / "runs.jsonl"
+    check_out_dir(out_dir, args.resume, args.overwrite)
     target, draft, tokenizer = load(args.target, args.draft, dtype=opts.dtype, device=opts.device)
     if draft is None and any(m != "ar" for m in methods):
         raise UserError("speculative methods need --draft")
     ids = encode_prompts([t for _, t in prompts], tokenizer, args.chat_template)
     eos_ids = eos_ids_of(target)
-    out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    units = plan_units(methods, args.batch_sizes, args.repeats)
+    journal = open_journal(journal_path, units, args, opts, target, draft, prompt_file)
+    args.kept = lambda: (f"{len(journal.results)} of {len(units)} runs are in {journal_path}; --resume runs the rest "
+                         "(the same flags with --resume)")
+    if journal.results:
+        print(f"resuming: {len(journal.results)} of {len(units)} runs already in {journal_path}", file=sys.stderr)
     runs: dict = {}
     reference = None  # target-only greedy at batch 1: the first "ar" run at batch 1, else its own run
-    if "ar" not in methods or 1 not in args.batch_sizes:
-        print(f"reference: target-only greedy at batch 1 on {len(ids)} prompts", file=sys.stderr)
-        reference = specbatch.generate(target, None, ids, dataclasses.replace(opts, batch_size=1, strategy="ragged"),
-                                       progress=True).sequences
-    order = sorted(args.batch_sizes, key=lambda b: b != 1)  # batch 1 first: its "ar" run is the reference
-    for repeat in range(args.repeats):
-        for batch in order:
-            ordered = sorted(methods, key=lambda m: m != "ar")
-            for method in ordered if repeat % 2 == 0 else ordered[::-1]:  # ABBA: drift cancels in pairs
-                if method in BATCH_ONE and batch != order[0]:
-                    continue
-                b = 1 if method in BATCH_ONE else batch
-                if method == "eqspec" and b == 1 and "spec1" in methods:
-                    continue  # spec1 is eqspec at batch 1: the same computation
-                print(f"[repeat {repeat + 1}/{args.repeats}] {method} batch {b}", file=sys.stderr)
-                sequences, stats = run_method(method, b, target, draft, ids, opts, eos_ids)
-                if reference is None:
-                    reference = sequences
-                exact = sum(s == r for s, r in zip(sequences, reference))
+    try:
+        for unit in units:
+            repeat, method, b = unit["repeat"], unit["method"], unit["batch"]
+            if unit["id"] not in journal.results:
+                print(f"[repeat {repeat + 1}/{args.repeats}] {method} batch {b}" if repeat >= 0 else
+                      f"reference: target-only greedy at batch 1 on {len(ids)} prompts", file=sys.stderr)
+                if method == "reference":
+                    sequences = specbatch.generate(target, None, ids, dataclasses.replace(
+                        opts, batch_size=1, strategy="ragged"), progress="reference (target-only b1)").sequences
+                    stats = {}
+                else:
+                    sequences, stats = run_method(method, b, target, draft, ids, opts, eos_ids)
+                journal.add(dict(id=unit["id"], sequences=sequences, stats=finite_or_none(stats)))
+            done = journal.results[unit["id"]]
+            if reference is None:
+                reference = done["sequences"]
+            if method != "reference":
+                exact = sum(s == r for s, r in zip(done["sequences"], reference))
+                stats = {k: float("nan") if v is None else v for k, v in done["stats"].items()}
                 runs.setdefault((method, b), []).append(dict(stats, exact=exact, repeat=repeat))
+    finally:
+        journal.finish()
     rows = []
     for (method, batch), reps in runs.items():
         row = {key: sum(r[key] for r in reps) / len(reps) for key in (

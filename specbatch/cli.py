@@ -86,6 +86,13 @@ def checked(check, kind: str):
     return parse
 
 
+def output_path(text: str) -> str:
+    """An argparse type for --out and --trace: a path, never the empty string (which would mean stdout)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file path, got an empty string")
+    return text
+
+
 def int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -119,9 +126,12 @@ def cmd_generate(args) -> int:
     import glob
 
     from . import distributed
-    from .io import InputError, OutputLock, ResultWriter, check_output_path, read_done
+    from .api import decode_text
+    from .io import InputError, OutputLock, ResultWriter, check_not_replacing, check_output_path, read_done
     from .resume import check_kept, check_same_run, run_record, write_record
     try:  # everything about the files before any model is loaded
+        if (args.resume or args.overwrite) and not args.out:
+            raise InputError(f"{'--resume' if args.resume else '--overwrite'} applies to --out; give --out FILE")
         if args.out:
             check_output_path(args.out, "--out", {"--prompts": args.prompts, "--trace": args.trace})
         if args.trace:
@@ -141,7 +151,12 @@ def cmd_generate(args) -> int:
     try:
         if args.out:
             lock = OutputLock(args.out, rank)  # a second run on this --out is refused (released on exit)
-        if stale and not args.resume:
+            check_not_replacing(args.out, args.resume, args.overwrite)
+        if stale and args.overwrite:  # replacing --out replaces the interrupted run's parts too
+            for path in stale if rank == 0 else []:
+                os.remove(path)
+            stale = []
+        elif stale and not args.resume:
             raise InputError(f"{stale[0]} holds results of an interrupted run on --out {args.out}; continue it with "
                              "--resume, or remove the part files to start afresh")
         if args.resume and args.out:
@@ -179,16 +194,21 @@ def cmd_generate(args) -> int:
         writer = ResultWriter(parts[parallel.dp_rank], order, {}, append=True)
     else:
         writer = ResultWriter(args.out, order, previous)
+    if writer is not None:  # what an interruption leaves (main prints it)
+        args.kept = lambda: (f"{len(writer.results)} of {len(order)} results are in {writer.path}; "
+                             f"--resume {'continues' if size > 1 else 'generates the rest'}")
+
+    printer = StdoutPrinter([order[i] for i in mine], args.jsonl_stdout) if not args.out and parallel.writes else None
 
     def record(request, tokens, reason, rounds):
         ident = order[mine[request]]
-        rec = dict(id=ident, text=tokenizer.decode(tokens, skip_special_tokens=False), token_ids=tokens,
+        rec = dict(id=ident, text=decode_text(tokens, tokenizer), token_ids=tokens,
                    num_tokens=len(tokens), stop_reason=reason, rounds=rounds,
                    accepted_length=round(len(tokens) / max(rounds, 1), 4))
         if writer is not None:
             writer.add(rec)
-        elif not args.out and parallel.writes:
-            print(rec["text"] if not args.jsonl_stdout else __import__("json").dumps(rec), flush=True)
+        elif printer is not None:
+            printer.add(rec)
 
     result = None
     try:
@@ -227,6 +247,22 @@ def cmd_generate(args) -> int:
     return leave(0) if size > 1 else 0
 
 
+class StdoutPrinter:
+    """Results on stdout in input order: each is printed once every request before it has been
+    (held back until then), under a line `==> id <==` (or as one JSON line with --jsonl-stdout)."""
+
+    def __init__(self, order: list[str], jsonl: bool):
+        self.order, self.jsonl, self.waiting, self.next = order, jsonl, {}, 0
+
+    def add(self, rec: dict) -> None:
+        import json
+        self.waiting[rec["id"]] = rec
+        while self.next < len(self.order) and self.order[self.next] in self.waiting:
+            rec = self.waiting.pop(self.order[self.next])
+            print(json.dumps(rec) if self.jsonl else f"==> {rec['id']} <==\n{rec['text']}", flush=True)
+            self.next += 1
+
+
 def leave(code: int):
     """Exit a torchrun process whose group is destroyed, without the interpreter's teardown, whose
     C++ destructors can still abort on a gloo thread ("terminate called without an active
@@ -259,9 +295,11 @@ def cmd_verify(args) -> int:
     say = (lambda *a, **k: print(*a, **k)) if rank == 0 else (lambda *a, **k: None)  # noqa: E731
     layout = f" under the same sharding (tensor parallel {parallel.tp})" if parallel.tp > 1 else ""
     say(f"reference: target-only greedy decoding at batch 1{layout} on {len(ids)} prompts", file=sys.stderr)
-    reference = run_generate(target, None, ids, dataclasses.replace(opts, batch_size=1), progress=rank == 0)
+    reference = run_generate(target, None, ids, dataclasses.replace(opts, batch_size=1),
+                             progress="reference (target-only)" if rank == 0 else False)
     say(f"candidate: {opts.strategy}, batch {opts.batch_size}, k = {opts.num_draft_tokens}{layout}", file=sys.stderr)
-    candidate = run_generate(target, draft, ids, opts, progress=rank == 0, check_invariants=args.check_invariants)
+    candidate = run_generate(target, draft, ids, opts, progress=f"{opts.strategy}" if rank == 0 else False,
+                             check_invariants=args.check_invariants)
     reports = compare(target, ids, candidate.sequences, reference.sequences, tolerance=args.tie_tolerance,
                       ulps=args.tie_ulps)
     distributed.shutdown()
@@ -334,7 +372,10 @@ def _conform_make(args) -> int:
     if not args.sampled:
         if args.eos_ids:
             raise UserError("--eos-ids applies to --sampled vectors (greedy vectors choose extra EOS ids themselves)")
-        manifest = make_vectors(target, out, tokenizer=tokenizer, seed=args.seed, max_context=args.max_context)
+        started = time.perf_counter()
+        manifest = make_vectors(target, out, tokenizer=tokenizer, seed=args.seed, max_context=args.max_context,
+                                progress=lambda stage: print(f"[{time.perf_counter() - started:5.1f} s] {stage}",
+                                                             file=sys.stderr, flush=True))
         from .conform import coverage_table
         print(coverage_table(out))
         print(f"{manifest['num_requests']} requests in {out} (classes: {', '.join(manifest['classes'])}); "
@@ -364,28 +405,99 @@ def _conform_make(args) -> int:
 
 
 def _conform_sample(args) -> int:
-    """specbatch (or transformers) run on sampled vectors: one output line per row."""
-    import json
-
-    from .sampled import load_sampled_vectors
-    from .testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
-    vectors = load_sampled_vectors(args.vectors)
+    """specbatch (or transformers) on conformance vectors, greedy or sampled: outputs appended to --out
+    as they finish (a sampled setting's rows when its call returns, greedy requests one by one);
+    --resume runs only what is missing and gives the file an uninterrupted run gives."""
+    from .conform import load_vectors
+    from .io import InputError, OutputLock, ResultWriter, check_not_replacing, check_output_path, read_done
+    from .resume import RECORD_FORMAT, check_same_run, write_record
+    from .sampled import is_sampled, load_sampled_vectors
+    sampled = is_sampled(args.vectors)
+    vectors = load_sampled_vectors(args.vectors) if sampled else load_vectors(args.vectors)
+    rows = vectors.rows if sampled else vectors.requests
+    ids = [r["id"] for r in rows]
+    check_output_path(args.out, "--out", {})
+    had_results = check_not_replacing(args.out, args.resume, args.overwrite)
     out = Path(args.out)
-    if out.exists():
-        raise UserError(f"--out {out} exists; choose a new file")
     opts, _ = options_from_args(args)
     draft_name = None if args.draft in (None, "none") else args.draft
-    target, draft, _ = load(args.target, draft_name, dtype=vectors.manifest["dtype"], device=opts.device)
+    batch_size = args.batch_size or (vectors.manifest["batch_size"] if sampled else opts.batch_size)
+    record = dict(format=RECORD_FORMAT, kind="specbatch-outputs", vectors=vectors.manifest.get("checksums"),
+                  target=args.target, draft=draft_name or "none", engine=args.engine, batch_size=batch_size,
+                  sampling=args.sampling if sampled else None, strategy=opts.strategy,
+                  num_draft_tokens=opts.num_draft_tokens)
+    lock = OutputLock(out)
+    try:
+        previous = {}
+        if args.resume and (had_results or Path(f"{out}.settings.json").exists()):
+            check_same_run(out, record)
+            previous = read_done(out, known_ids=ids)
+        if sampled:  # a setting is kept whole or run again: its rows come from one call
+            whole = {s["name"] for s in vectors.settings() if all(r["id"] in previous for r in vectors.rows_of(s["name"]))}
+            previous = {r["id"]: previous[r["id"]] for r in rows if r["setting"] in whole}
+        write_record(out, record)
+        target, draft, _ = load(args.target, draft_name, dtype=vectors.manifest["dtype"], device=opts.device)
+        writer = ResultWriter(out, ids, previous)
+        if previous:
+            print(f"resuming: {len(previous)} of {len(ids)} outputs already in {out}", file=sys.stderr)
+        start = time.perf_counter()
+        try:
+            if sampled:
+                _sample_settings(args, vectors, target, draft, batch_size, whole, writer)
+            else:
+                _sample_greedy(args, vectors, target, draft, opts, batch_size, writer)
+        except KeyboardInterrupt:
+            writer.finish()
+            print(f"\nspecbatch conform sample: interrupted; {len(writer.results)} of {len(ids)} outputs are in {out}; "
+                  "--resume runs the rest", file=sys.stderr)
+            return 130
+        writer.finish()
+    except InputError as e:
+        raise UserError(str(e)) from None
+    finally:
+        lock.release()
+    print(f"{len(ids)} outputs in {out} ({len(ids) - len(previous)} run in {time.perf_counter() - start:.1f} s); "
+          f"judge them with: specbatch conform check {args.vectors} {out}" + (" --target MODEL" if sampled else ""))
+    return 0
+
+
+def _sample_settings(args, vectors, target, draft, batch_size, done, writer):
+    """Sampled vectors, one call per setting not in `done`, each setting's rows written when it returns."""
+    from .testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
     if args.engine == "transformers":
         engine = hf_sampling_engine(target, draft)
     else:
-        engine = specbatch_sampling_engine(target, draft, sampling=args.sampling)
-    rows = run_sampled(engine, vectors, batch_size=args.batch_size)
-    with open(out, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"{len(rows)} rows written to {out}")
-    return 0
+        engine = specbatch_sampling_engine(target, draft, sampling=args.sampling, progress=sys.stderr.isatty())
+    names = [s["name"] for s in vectors.settings()]
+    started = [time.perf_counter()]
+
+    def keep(name, outputs):
+        for row in outputs:
+            writer.add(row)
+        print(f"setting {names.index(name) + 1}/{len(names)} {name}: {len(outputs)} rows in "
+              f"{time.perf_counter() - started[0]:.1f} s", file=sys.stderr, flush=True)
+        started[0] = time.perf_counter()
+    run_sampled(engine, vectors, batch_size=batch_size, skip=done, on_setting=keep)
+
+
+def _sample_greedy(args, vectors, target, draft, opts, batch_size, writer):
+    """Greedy vectors: the missing requests in input order, each written as it finishes."""
+    if args.engine == "transformers":
+        from .testing import hf_assisted_engine, run_vectors
+        todo = [i for i, r in enumerate(vectors.requests) if r["id"] not in writer.results]
+        for row in run_vectors(hf_assisted_engine(target, draft), vectors, batch_size, todo):
+            writer.add(row)
+        return
+    todo = [i for i, r in enumerate(vectors.requests) if r["id"] not in writer.results]
+    if not todo:
+        return
+
+    def keep(request, tokens, reason, rounds):
+        writer.add(dict(id=vectors.requests[todo[request]]["id"], token_ids=list(tokens)))
+    run_generate(target, draft, [vectors.prompts[i] for i in todo],
+                 dataclasses.replace(opts, batch_size=batch_size, max_new_tokens=[vectors.budgets[i] for i in todo]),
+                 eos_token_id=list(vectors.manifest["eos_token_ids"]), on_result=keep,
+                 progress=(f"{opts.strategy}" if draft is not None else "target-only") if sys.stderr.isatty() else False)
 
 
 def _conform_run(args) -> int:
@@ -579,7 +691,14 @@ def options_from_args(args, command=None) -> tuple[GenerateOptions, dict]:
     `command`; --fixed-k is --policy fixed."""
     given = {name: getattr(args, name) for name in GenerateOptions.names() if getattr(args, name, None) is not None}
     if getattr(args, "fixed_k", False):
+        if "policy" in given:
+            raise UserError(f"--fixed-k is --policy fixed; it contradicts --policy {given['policy']}")
         given.update(policy="fixed")
+    if given.get("policy") == "fixed":
+        ignored = [f"--{name.replace('_', '-')}" for name in ("draft_threshold", "draft_floor") if name in given]
+        if ignored:
+            raise UserError(f"{' and '.join(ignored)} would be ignored: --fixed-k / --policy fixed drafts "
+                            "--num-draft-tokens every round whatever the draft's confidence")
     opts = dataclasses.replace(defaults(command), **given)
     if "draft_floor" not in given and opts.draft_floor > opts.draft_threshold:
         opts = dataclasses.replace(opts, draft_floor=opts.draft_threshold)  # the default floor follows a lower threshold
@@ -616,9 +735,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate for a prompt file, writing JSONL results")
     add_model_args(p)
     add_decoding_args(p)
-    p.add_argument("--out", help="output JSONL (one line per request, input order at the end)")
+    p.add_argument("--out", type=output_path, help="output JSONL (one line per request, input order at the end)")
     p.add_argument("--resume", action="store_true", help="skip requests already in --out")
-    p.add_argument("--trace", help="write a round trace (JSONL) for check-trace")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out that already holds results (and "
+                   "the part files of an interrupted torchrun run on it)")
+    p.add_argument("--trace", type=output_path, help="write a round trace (JSONL) for check-trace")
     p.add_argument("--jsonl-stdout", action="store_true", help="without --out, print JSON lines instead of text")
     add_tensor_parallel(p)
     p.set_defaults(run=cmd_generate)
@@ -632,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "4 bfloat16/float16)")
     p.add_argument("--tie-tolerance", type=non_negative_float, default=None,
                    help="an absolute top-2 margin to use instead of --tie-ulps")
-    p.add_argument("--check-invariants", action="store_true", help="also check I1-I6 every round")
+    p.add_argument("--check-invariants", action="store_true", help="also check I1-I7 every round")
     add_tensor_parallel(p)
     p.set_defaults(run=cmd_verify)
 
@@ -643,20 +764,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=positive_int, default=None, help="use the first N prompts")
     p.add_argument("--per-category", type=positive_int, default=None,
                    help="use the first N prompts of each 'category' (Spec-Bench JSONL)")
-    p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8])
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8], help="comma-separated batch sizes to run "
+                   "each method at (default: 1,2,4,8)")
     p.add_argument("--methods", default="ar,spec1,eqspec,exspec,ragged",
                    help="comma-separated: ar, spec1, eqspec, exspec, ragged, hf-assisted, and the deliberately "
                         "broken bsp-like, dsd-like (correctness table)")
     add_options(p, ("num_draft_tokens", "max_new_tokens", "max_wait", "pool_window"), "bench")
     add_proposal_args(p)
-    p.add_argument("--repeats", type=positive_int, default=1)
-    p.add_argument("--chat-template", action="store_true")
+    p.add_argument("--repeats", type=positive_int, default=1, help="runs of every (method, batch size), "
+                   "alternating the methods' order (default: 1)")
+    p.add_argument("--chat-template", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--arrival-rate", type=checked(check_arrival_rate, "float"), default=None,
                    help="also run the Poisson-arrival latency benchmark at this many requests/s")
     p.add_argument("--compare", action="append", metavar="FILE",
                    help="another engine's results on the same prompts, with its timing (benchmarks/peer_vllm.py "
                         "writes them): shown beside specbatch's rows with its exact match; repeatable")
-    p.add_argument("--out-dir", default="bench_out")
+    p.add_argument("--out-dir", type=output_path, default="bench_out", help="folder for runs.jsonl (each run as it "
+                   "finishes), bench.json, bench.md and the plots (default: bench_out)")
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --out-dir's runs.jsonl, run the "
+                   "rest (the same flags otherwise)")
+    p.add_argument("--overwrite", action="store_true", help="replace a bench already in --out-dir")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="SmolLM2-135M-Instruct end to end: answers, speed, equivalence")
@@ -676,7 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=checked(check_seed, "int"), default=0, help="seed of the vectors' prompts "
                    "(default: 0)")
     m.add_argument("--max-context", type=positive_int, default=512, help="cap on the long prompts' length")
-    m.add_argument("--out", required=True, help="a new (or empty) folder")
+    m.add_argument("--out", required=True, type=output_path, help="a new (or empty) folder")
     m.add_argument("--sampled", action="store_true", help="sampled vectors (settings of temperature, top-k and "
                    "top-p, many samples per request) instead of greedy ones")
     m.add_argument("--samples", type=int_at_least(4, "positive"), default=512, help="--sampled: samples per "
@@ -728,19 +855,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "servers that refuse per-request seeds)")
     r.add_argument("--extra", default=None, help="a JSON object of fields added to every request (the engine's "
                    "own switches)")
-    r.add_argument("--out", required=True, help="outputs file (JSONL: id, token_ids, finish_reason[, top])")
+    r.add_argument("--out", required=True, type=output_path, help="outputs file (JSONL: id, token_ids, finish_reason[, top])")
     r.add_argument("--resume", action="store_true", help="keep the outputs already in --out, send the rest")
     r.add_argument("--overwrite", action="store_true", help="replace an --out that already holds outputs")
-    s_ = act.add_parser("sample", help="run specbatch (or transformers) on sampled vectors and write its outputs")
-    s_.add_argument("vectors", help="folder written by conform make --sampled")
+    s_ = act.add_parser("sample", help="run specbatch (or transformers) on vectors (greedy or sampled) and write "
+                        "its outputs for conform check (appended as they finish; --resume runs the rest)")
+    s_.add_argument("vectors", help="folder written by conform make (greedy or --sampled)")
     s_.add_argument("--target", required=True, help="model (the --target forms of generate)")
     s_.add_argument("--draft", default=None, help="draft (the --draft forms of generate; default none)")
     s_.add_argument("--engine", choices=("specbatch", "transformers"), default="specbatch",
                     help="specbatch.generate (default) or transformers' generate (assisted with --draft)")
     s_.add_argument("--sampling", choices=SAMPLING_MODES, default="rejection", help="specbatch's sampling mode")
-    s_.add_argument("--batch-size", type=positive_int, default=None, help="default: the manifest's")
-    add_options(s_, ("device",))
-    s_.add_argument("--out", required=True, help="outputs file to write (JSONL: id, token_ids)")
+    s_.add_argument("--batch-size", type=positive_int, default=None, help="default: the sampled manifest's; "
+                    "greedy vectors: 8")
+    add_options(s_, ("device", "strategy", "num_draft_tokens"))
+    s_.add_argument("--out", required=True, type=output_path, help="outputs file to write (JSONL: id, token_ids)")
+    s_.add_argument("--resume", action="store_true", help="keep the outputs already in --out, run the rest")
+    s_.add_argument("--overwrite", action="store_true", help="replace an --out that already holds outputs")
     p.set_defaults(run=cmd_conform)
 
     p = sub.add_parser("check-trace", help="validate a round trace against the invariants (exit 0 valid, "
@@ -763,7 +894,9 @@ def main(argv=None) -> int:
         print(f"specbatch {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("specbatch: interrupted; finished results are kept", file=sys.stderr)
+        kept = getattr(args, "kept", None)
+        print(f"\nspecbatch {args.command}: interrupted; " + (kept() if kept else "no results file was written"),
+              file=sys.stderr)
         return 130
 
 

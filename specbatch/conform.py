@@ -82,8 +82,9 @@ def _top_logits(target, prompt, answer, top: int = TOP, log_softmax: bool = Fals
     return [[[int(t), float(v)] for t, v in zip(tr, vr)] for tr, vr in zip(tokens.tolist(), values.tolist())]
 
 
-def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context: int = 512) -> dict:
+def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context: int = 512, progress=None) -> dict:
     """Write the conformance vectors for `target` into out_dir; returns the manifest.
+    progress(stage): called as each of the four stages starts (the CLI prints it).
 
     max_context caps the long prompts (1-token prompts sit next to prompts of about this length, or
     the model's context if smaller), so vectors for a large model stay quick to answer."""
@@ -112,6 +113,8 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
 
     for n in (6, 11, 19):
         add("pad-in-prompt", planted(pad, n), 12)
+    say = progress or (lambda stage: None)
+    say("1/4 EOS placements: 8 continuations")
     eos_candidates = [draw(rng.integers(4, 24)) for _ in range(8)]
     continuations = reference_outputs(target, eos_candidates, [12] * 8, [])
     eos = list(model_eos)
@@ -135,6 +138,7 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
         add("duplicate", twice, 10)
     for _ in range(24):  # enough requests, of mixed lengths and budgets, to churn a continuous batcher
         add("churn", draw(rng.integers(1, 40)), int(rng.integers(1, 17)))
+    say("2/4 wide-margin requests: 24 candidates")
     candidates = [draw(rng.integers(3, 20)) for _ in range(24)]
     answers = reference_outputs(target, candidates, [10] * 24, eos)
     margins = []
@@ -146,7 +150,9 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
 
     prompts = [r["token_ids"] for r in requests]
     budgets = [r["max_new_tokens"] for r in requests]
+    say(f"3/4 reference answers: {len(requests)} requests, target-only at batch 1")
     answers = reference_outputs(target, prompts, budgets, eos)
+    say("4/4 top logits along every answer")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     count = len(requests)

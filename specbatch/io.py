@@ -1,7 +1,8 @@
 """Prompt files in, result files out.
 
 Prompt files: JSONL with `prompt` (or Spec-Bench style `turns`, whose first turn is used) and an
-optional `id` (`question_id` is taken too), or plain text with one prompt per line.
+optional `id` (`question_id` is taken too); `.csv` with a header row naming a `prompt` column and
+optionally an `id` column (cells may span lines when quoted); or plain text with one prompt per line.
 
 Files are read strictly: UTF-8 (a byte-order mark is dropped), lines split on \n only, a `.jsonl`
 file is JSON objects, result lines are checked before a resume trusts them. Output paths are
@@ -97,10 +98,15 @@ def read_prompts(path) -> list[tuple[str, str]]:
     """[(id, text)] in file order. A `.jsonl` (or `.json`) file must hold one JSON object per line;
     other files are JSONL when their first line starts with "{", else plain text, one prompt per line."""
     path = Path(path)
+    if path.suffix.lower() in (".tsv", ".parquet", ".xlsx", ".xls", ".arrow"):
+        raise InputError(f"{path}: {path.suffix} prompt files are not read; use JSONL, CSV (a 'prompt' column) or "
+                         "plain text")
     lines = text_lines(path, "prompt file")
     numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not numbered:
         raise InputError(f"{path}: the prompt file is empty")
+    if path.suffix.lower() == ".csv":
+        return _csv_prompts(path, "\n".join(lines))
     is_jsonl = path.suffix.lower() in (".jsonl", ".json") or numbered[0][1].lstrip().startswith("{")
     if not is_jsonl:
         return [(str(i), line) for i, (_, line) in enumerate(numbered)]
@@ -126,11 +132,38 @@ def read_prompts(path) -> list[tuple[str, str]]:
     return prompts
 
 
-def read_done(path, known_ids=None) -> dict:
+def _csv_prompts(path: Path, text: str) -> list[tuple[str, str]]:
+    """A CSV prompt file: a header row naming a 'prompt' column and optionally an 'id' column."""
+    import csv
+    import io
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
+    except csv.Error as e:
+        raise InputError(f"{path}: not a readable CSV file ({e})") from None
+    rows = [r for r in rows if any(cell.strip() for cell in r)]
+    header = [cell.strip().lower() for cell in rows[0]]
+    if "prompt" not in header:
+        raise InputError(f"{path}: a CSV prompt file needs a header row with a 'prompt' column (and optionally 'id'); "
+                         f"its first row is {rows[0][:4]!r}")
+    at, id_at = header.index("prompt"), header.index("id") if "id" in header else None
+    prompts = []
+    for n, row in enumerate(rows[1:], 2):
+        if len(row) != len(header):
+            raise InputError(f"{path}: row {n} has {len(row)} fields, the header {len(header)}")
+        prompts.append((row[id_at] if id_at is not None else str(n - 2), row[at]))
+    if not prompts:
+        raise InputError(f"{path}: the CSV prompt file has a header and no prompts")
+    ids = [p[0] for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise InputError(f"{path}: id {next(x for x in ids if ids.count(x) > 1)!r} appears more than once")
+    return prompts
+
+
+def read_done(path, known_ids=None, field: str = "token_ids") -> dict:
     """Results already in an output file, by id, each checked: a JSON object with a known `id` and
-    `token_ids` (a list of integers). A torn last line (a crash mid-write: no final newline) is
-    ignored; anything else malformed is an InputError, and so is an id the prompt file does not
-    have (resuming would drop that result)."""
+    `token_ids` (a list of integers; field="sequences": a list of such lists). A torn last line (a
+    crash mid-write: no final newline) is ignored; anything else malformed is an InputError, and so
+    is an id the prompt file does not have (resuming would drop that result)."""
     path = Path(path)
     done = {}
     if not path.exists():
@@ -151,9 +184,9 @@ def read_done(path, known_ids=None) -> dict:
             raise InputError(f"{e}; fix or remove the line to resume") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), (str, int)) or isinstance(obj.get("id"), bool):
             raise InputError(f"{path}:{n}: a result line must be a JSON object with an 'id'")
-        tokens = obj.get("token_ids")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise InputError(f"{path}:{n}: result {obj['id']!r} has no 'token_ids' list of integers; remove the "
+        lists = obj.get(field) if field == "sequences" else [obj.get(field)]
+        if not isinstance(lists, list) or not all(_is_id_list(tokens) for tokens in lists):
+            raise InputError(f"{path}:{n}: result {obj['id']!r} has no {field!r} list of integers; remove the "
                              "line to generate it again")
         ident = str(obj["id"])
         if known is not None and ident not in known:
@@ -163,6 +196,10 @@ def read_done(path, known_ids=None) -> dict:
             raise InputError(f"{path}:{n}: result id {ident!r} appears twice")
         done[ident] = obj
     return done
+
+
+def _is_id_list(tokens) -> bool:
+    return isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
 
 
 def check_output_path(path, what: str, others: dict) -> Path:
@@ -191,6 +228,19 @@ def check_output_path(path, what: str, others: dict) -> Path:
     if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise InputError(f"{what} {path}: not writable")
     return path
+
+
+def check_not_replacing(path, resume: bool, overwrite: bool, what: str = "--out") -> bool:
+    """Nothing is replaced unless asked: an existing non-empty `path` needs --resume (keep it) or
+    --overwrite (replace it), and not both. Returns whether `path` holds results now."""
+    if resume and overwrite:
+        raise InputError("--resume keeps what is in --out and --overwrite replaces it: give one of them")
+    path = Path(path)
+    holds = path.is_file() and path.stat().st_size > 0
+    if holds and not resume and not overwrite:
+        raise InputError(f"{what} {path} already holds results; pass --resume to keep them and add only what is "
+                         "missing, or --overwrite to replace it")
+    return holds
 
 
 # ---------------------------------------------------------------- writing files we own

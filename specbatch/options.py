@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import sys
 from dataclasses import dataclass, field
 
 STRATEGIES = ("eqspec", "exspec", "ragged")  # the public strategies (the broken variants are bench-only)
@@ -122,7 +123,12 @@ def check_real(name: str, value, low: float, high: float = math.inf, low_open: b
 
 
 def check_temperature(value) -> float:
-    return check_real("temperature", value, 0.0)
+    """0 (greedy) or a normal float: a subnormal one has no finite reciprocal to scale logits by."""
+    t = check_real("temperature", value, 0.0)
+    if t != 0.0 and (t < sys.float_info.min or not math.isfinite(1.0 / t)):
+        raise OptionError(f"temperature must be 0 (greedy) or a normal positive number (at least "
+                          f"{sys.float_info.min:.3g}), got {value!r}")
+    return t
 
 
 def check_top_p(value) -> float:

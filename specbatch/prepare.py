@@ -29,19 +29,13 @@ def load(target: str, draft: str | None = None, *, dtype: str | None = None, dev
 
 
 def encode_prompts(texts, tokenizer, chat_template: bool) -> list[list[int]]:
+    """Token ids of text prompts: each one user turn of the chat template with --chat-template, else as it is."""
+    from .api import encode_text
     if tokenizer is None:
         raise UserError("the target has no tokenizer: text prompts cannot be encoded")
-    out = []
     if chat_template and not getattr(tokenizer, "chat_template", None):
         raise UserError("--chat-template: the target's tokenizer has no chat template; drop the option")
-    for text in texts:
-        if chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(text)["input_ids"]
-        out.append(list(ids))
-    return out
+    return [encode_text(text, tokenizer, chat_template) for text in texts]
 
 
 def run_generate(target, draft, ids, options, **extra):

@@ -235,9 +235,12 @@ def _continuation_logits(target, prompts, continuations):
         with torch.inference_mode():
             if cached:
                 from transformers import DynamicCache
+
+                from .fast.models import cache_argument
+                keyword = cache_argument(target)  # `cache` in current transformers
                 prompt = list(prompts[start])
                 cache = DynamicCache(config=target.config)
-                head = target(input_ids=torch.tensor([prompt], device=device), past_key_values=cache,
+                head = target(input_ids=torch.tensor([prompt], device=device), **{keyword: cache},
                               use_cache=True, logits_to_keep=1).logits[0, -1]
                 width = max(1, max(map(len, conts)) - 1)  # the last token of a row predicts nothing asked
                 ids = torch.tensor([c[:-1] + [0] * (width - max(len(c) - 1, 0)) for c in conts], device=device)
@@ -247,7 +250,7 @@ def _continuation_logits(target, prompts, continuations):
                 rows_cache = copy.deepcopy(cache)
                 rows_cache.batch_repeat_interleave(len(conts))
                 positions = len(prompt) + torch.arange(width, device=device)[None, :].expand(len(conts), -1)
-                body = target(input_ids=ids, attention_mask=mask, past_key_values=rows_cache, use_cache=True,
+                body = target(input_ids=ids, attention_mask=mask, **{keyword: rows_cache}, use_cache=True,
                               position_ids=positions).logits
                 parts = [torch.cat([head[None], body[j, :len(c) - 1]]) for j, c in enumerate(conts) if c]
             else:

@@ -342,9 +342,12 @@ def broken_sampling_engine(target, draft, bug: str, num_draft_tokens: int = 4):
     return sampling_engine(target, draft, bug=bug, num_draft_tokens=num_draft_tokens)
 
 
-def run_sampled(sample_fn, vectors, batch_size: int | None = None, timeout: float | None = None) -> list[dict]:
+def run_sampled(sample_fn, vectors, batch_size: int | None = None, timeout: float | None = None, *,
+                skip=(), on_setting=None) -> list[dict]:
     """The engine's continuation of every row of sampled vectors (a folder or SampledVectors): one
-    call per setting, its rows in file order, each row's seed passed; rows as dicts (id, token_ids)."""
+    call per setting, its rows in file order, each row's seed passed; rows as dicts (id, token_ids).
+    skip: names of settings not to run (already done); on_setting(name, rows) is called as each
+    setting's call returns (a caller keeps finished work there)."""
     import functools
 
     from .sampled import load_sampled_vectors
@@ -353,7 +356,10 @@ def run_sampled(sample_fn, vectors, batch_size: int | None = None, timeout: floa
     batch_size = batch_size or vectors.manifest["batch_size"]
     outputs = []
     for s in vectors.settings():
+        if s["name"] in skip:
+            continue
         rows = vectors.rows_of(s["name"])
+        first = len(outputs)
         call = functools.partial(sample_fn, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
                                  seeds=[r["seed"] for r in rows])
         got = call_engine(call, [r["token_ids"] for r in rows], [r["max_new_tokens"] for r in rows],
@@ -362,6 +368,8 @@ def run_sampled(sample_fn, vectors, batch_size: int | None = None, timeout: floa
             if not isinstance(tokens, (list, tuple)) or not all(_is_token(t) for t in tokens):
                 raise ConformanceError(f"row {r['id']!r}: the engine did not return a list of integer token ids")
             outputs.append(dict(id=r["id"], token_ids=[int(t) for t in tokens]))
+        if on_setting is not None:
+            on_setting(s["name"], outputs[first:])
     return outputs
 
 

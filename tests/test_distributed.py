@@ -156,3 +156,23 @@ def test_killed_at_the_final_rewrite_and_resumed_gives_the_uninterrupted_file(se
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert out.read_bytes() == whole.read_bytes() and not list(tmp_path.glob("out.jsonl.part*"))
+
+
+@pytest.mark.full  # one torchrun launch
+def test_a_torchrun_resume_keeps_the_results_already_in_out(setup, tmp_path):
+    """A single-process run interrupted after 3 results, resumed by 2 processes: rank 0's merge starts
+    from the results already in --out (not from the part files alone), so none of them vanish."""
+    _, target, draft, prompts = setup
+    common = ["generate", "--target", target, "--draft", draft, "--prompts", str(prompts), "--dtype", "float64",
+              "--max-new-tokens", "8", "--batch-size", "3", "--policy", "threshold"]
+    whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
+    assert subprocess.run([sys.executable, "-m", "specbatch", *common, "--out", str(whole)], capture_output=True,
+                          timeout=300).returncode == 0
+    out.write_text("".join(whole.read_text().splitlines(keepends=True)[:3]))
+    out.with_name("out.jsonl.settings.json").write_text(whole.with_name("whole.jsonl.settings.json").read_text())
+    resumed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                              str(free_port()), "-m", "specbatch", *common, "--out", str(out), "--resume"],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming: 3 of 10 requests" in resumed.stderr
+    assert out.read_bytes() == whole.read_bytes() and not list(tmp_path.glob("out.jsonl.part*"))

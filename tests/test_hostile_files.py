@@ -368,7 +368,7 @@ def test_a_second_run_on_a_held_output_is_refused_and_the_first_file_stays(folde
     finally:
         holder.send_signal(signal.SIGKILL)  # the OS releases the lock of a killed run
         holder.wait()
-    assert main(gen_args(folders, prompt_file, "--out", str(out))) == 0
+    assert main(gen_args(folders, prompt_file, "--out", str(out), "--overwrite")) == 0  # it holds results
 
 
 # ---------------------------------------------------------------- 7. the Python checker

@@ -24,6 +24,7 @@ TENSOR_PARALLEL = ["tests/test_tensor_parallel.py"]
 SERVER = ["tests/test_server_adapter.py"]
 RESUME = ["tests/test_resume_rules.py"]
 CONFORM = ["tests/test_conform.py"]
+NOTHING_LOST = ["tests/test_nothing_lost.py"]
 
 MUTANTS = [
     # ---- masks
@@ -116,7 +117,8 @@ MUTANTS = [
     ("top-p-drops-the-crossing-token", "sampling", "fast/sampling.py",
      "before = probs.cumsum(dim=-1) - probs", "before = probs.cumsum(dim=-1)", SAMPLING),
     ("temperature-multiplies", "sampling", "fast/sampling.py",
-     "x = logits.double() / temperature", "x = logits.double() * temperature", SAMPLING),
+     "x = (x - x.amax(dim=-1, keepdim=True)) / temperature", "x = (x - x.amax(dim=-1, keepdim=True)) * temperature",
+     SAMPLING),
     # ---- lookup
     ("lookup-across-padding", "lookup", "fast/lookup_draft.py",
      "token = torch.where(visible, history, torch.full_like(history, -1))", "token = history", LOOKUP),
@@ -270,7 +272,8 @@ MUTANTS = [
      "if key in echoed and key in asked and not _same(echoed[key], asked[key]):",
      "if key in echoed and key in asked and not _same(echoed[key], echoed[key]):", SERVER),
     ("server-run-resends-finished", "servers", "specbatch/cli.py",
-     "            previous = read_done(out, known_ids=ids)\n", "            previous = {}\n", SERVER),
+     "            previous = read_done(out, known_ids=ids)\n        elif has_results and not args.overwrite:",
+     "            previous = {}\n        elif has_results and not args.overwrite:", SERVER),
     ("server-run-overwrites-silently", "servers", "specbatch/cli.py",
      "        elif has_results and not args.overwrite:", "        elif has_results and args.overwrite:", SERVER),
     ("differential-uses-the-ulp-rule", "servers", "specbatch/conform.py",
@@ -304,4 +307,28 @@ MUTANTS = [
      'for field in ("num_attention_heads", "num_key_value_heads"):', 'for field in ("num_attention_heads",):', RESUME),
     ("model-cache-digest-unchecked", "files", "fast/loading.py",
      "if recorded.get(name) != digest]", "if recorded.get(name) is None and False]", HOSTILE),
+    ("torchrun-merge-drops-out", "files", "specbatch/cli.py",
+     "            done = dict(previous)\n", "            done = {}\n",
+     ["tests/test_distributed.py::test_a_torchrun_resume_keeps_the_results_already_in_out"]),
+    # ---- nothing lost, nothing silent (tests/test_nothing_lost.py)
+    ("out-replaced-silently", "files", "specbatch/io.py",
+     "if holds and not resume and not overwrite:", "if holds and not resume and not overwrite and False:",
+     NOTHING_LOST),
+    ("bench-resume-reruns-kept-runs", "files", "specbatch/bench.py",
+     'if unit["id"] not in journal.results:', "if True:", NOTHING_LOST),
+    ("sampled-resume-keeps-a-cut-setting", "files", "specbatch/cli.py",
+     'whole = {s["name"] for s in vectors.settings() if all(', 'whole = {s["name"] for s in vectors.settings() if any(',
+     NOTHING_LOST),
+    ("temperature-subnormal-accepted", "options", "specbatch/options.py",
+     "if t != 0.0 and (t < sys.float_info.min or", "if t != 0.0 and (t < 0 or", NOTHING_LOST),
+    ("temperature-divides-unshifted-logits", "sampling", "fast/sampling.py",
+     "x = (x - x.amax(dim=-1, keepdim=True)) / temperature", "x = x / temperature", NOTHING_LOST),
+    ("fixed-k-ignores-the-threshold-silently", "options", "specbatch/cli.py",
+     "        if ignored:\n", "        if ignored and False:\n", NOTHING_LOST),
+    ("texts-keep-special-tokens", "text", "specbatch/api.py",
+     "return tokenizer.decode(tokens, skip_special_tokens=True)", "return tokenizer.decode(tokens)", NOTHING_LOST),
+    ("string-prompts-skip-the-chat-template", "text", "specbatch/api.py",
+     "if has_template and chat_template is not False:", "if has_template and chat_template is True:", NOTHING_LOST),
+    ("trace-takes-any-strategy", "trace checker", "invariants/trace.py",
+     '"strategy": (lambda x: x in STRATEGY_LAYOUTS,', '"strategy": (lambda x: isinstance(x, str),', NOTHING_LOST),
 ]
