@@ -203,12 +203,25 @@ def test_generate_interrupted_says_how_many_results_are_on_disk(folders, prompt_
 
 # ---------------------------------------------------------------- every option checked against what it means
 
-@pytest.mark.parametrize("temperature", ["1e-310", "4e-324"])
+@pytest.mark.parametrize("temperature", ["1e-308", "1e-310", "4e-324"])  # 1e-308: subnormal, finite reciprocal
 def test_a_subnormal_temperature_is_refused(folders, prompt_file, capsys, temperature):
     exit_2_with(capsys, gen_args(folders, prompt_file, "--temperature", temperature),
                 "temperature must be 0 (greedy) or a normal positive number")
     with pytest.raises(OptionError, match="normal positive number"):
         specbatch.generate(tiny("llama"), None, [[1, 2]], temperature=float(temperature))
+
+
+def test_logits_are_shifted_to_a_top_of_zero_before_the_temperature_divides_them():
+    """Large logits over the smallest normal temperature overflow to inf (and NaN after the softmax)
+    unless the top logit is taken out first; shifted, all the mass sits on the argmax."""
+    from specbatch.fast.sampling import processed_log_probs
+    logits = torch.tensor([[100.0, 99.0, -50.0, 100.5], [3.0, 2.0, 1.0, 0.0]])
+    for t in (sys.float_info.min, 1e-300, 1e-30):
+        probs = processed_log_probs(logits, t, None, None).exp()
+        assert torch.equal(probs, torch.tensor([[0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)), t
+    ordinary = processed_log_probs(logits, 0.7, 2, None).exp()
+    want = torch.softmax(torch.tensor([100.0, 100.5], dtype=torch.float64) / 0.7, dim=0)
+    assert torch.allclose(ordinary[0, [0, 3]], want) and ordinary[0, 1:3].sum() == 0
 
 
 @pytest.mark.parametrize("sampling", ["rejection", "coupled"])
@@ -327,6 +340,8 @@ def test_string_prompts_take_the_chat_template_by_default_and_texts_leave_specia
     assert by_string.sequences == specbatch.generate(target, None, [templated], max_new_tokens=6).sequences
     as_is = specbatch.generate(target, None, ["w10 w11"], tokenizer=tok, max_new_tokens=6, chat_template=False)
     assert as_is.sequences == specbatch.generate(target, None, [plain], max_new_tokens=6).sequences
+    from specbatch.api import decode_text
+    assert decode_text([1, 10, 11, EOS, 0], tok) == "w10 w11"  # <s>, </s> and <unk> left out
     for result in (by_string, as_is):
         tokens = result.sequences[0]
         assert result.texts[0] == " ".join(WORDS[t] for t in tokens if t not in (0, 1, EOS))
