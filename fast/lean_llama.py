@@ -7,7 +7,8 @@ hundred small tensor operations. This module computes the same function with les
 - the q/k/v projections and the gate/up projections each fused into one product (7 products a
   layer become 4),
 - RMS norms by torch's fused rms_norm, the rotary angles computed once per forward by the model's
-  own rotary module and applied by transformers' apply_rotary_pos_emb,
+  own rotary module and applied to the query and key heads together (transformers' rotate_half,
+  the arithmetic of its apply_rotary_pos_emb),
 - attention by fast.attention.specbatch_attention, the engine's own: the mask the engine passes
   decides what each query sees (I4) and the engine's row plan applies, exactly as in the model,
 - the cache updated through `Cache.update`, so every layout's cache works (DynamicCache in the
@@ -19,9 +20,11 @@ target (proofs_notes/equivalence.md).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
 from .attention import specbatch_attention
 from .backend import sharded
@@ -39,8 +42,8 @@ def supported(model) -> bool:
 
 def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
     """An nn.Linear holding copies of `weight` [out, in] (and `bias`), on their device and dtype."""
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                             dtype=weight.dtype)
+    linear = torch.nn.utils.skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0], bias=bias is not None,
+                                      device=weight.device, dtype=weight.dtype)  # no random init: copied below
     with torch.no_grad():
         linear.weight.copy_(weight)
         if bias is not None:
@@ -72,10 +75,12 @@ class LeanBlock(torch.nn.Module):
     def forward(self, hidden, cos, sin, mask, cache, index: int):
         batch, queries, width = hidden.shape
         x = F.rms_norm(hidden, (width,), self.attention_norm, self.eps)
-        split = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
-        q, k, v = (t.view(batch, queries, -1, self.head_dim).transpose(1, 2)
-                   for t in self.qkv(x).split(split, dim=-1))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # cos, sin [B, Q, D]: every head alike
+        qkv = self.qkv(x).view(batch, queries, -1, self.head_dim)  # [B, Q, H + 2 Hkv, D]
+        rotated = self.heads + self.kv_heads
+        qk = qkv[:, :, :rotated]  # q's and k's heads take one rotation (the same arithmetic per element)
+        qk = qk * cos[:, :, None] + rotate_half(qk) * sin[:, :, None]  # cos, sin [B, Q, D]: every head alike
+        q, k = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
+        v = qkv[:, :, rotated:].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, index)
         out, _ = specbatch_attention(self, q, k, v, mask, scaling=self.scaling)  # [B, Q, H, D]
@@ -99,10 +104,54 @@ class LeanLlama(torch.nn.Module):
         self.norm, self.eps = base.norm.weight, config.rms_norm_eps
         self.rotary = base.rotary_emb
 
-    def forward(self, input_ids, position_ids, attention_mask, cache, added=None):
-        """added: [B, Q, hidden] added to the token embeddings (fast.reduced_head's feature input)."""
+    def forward(self, input_ids, position_ids, attention_mask, cache, added=None, final_norm=True):
+        """added: [B, Q, hidden] added to the token embeddings (fast.reduced_head's feature input).
+        final_norm=False: the last block's output, before the model's final norm."""
         hidden = self.embed(input_ids) if added is None else self.embed(input_ids) + added
         cos, sin = self.rotary(hidden, position_ids)
         for index, block in enumerate(self.blocks):
             hidden = block(hidden, cos, sin, attention_mask, cache, index)
-        return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.eps)
+        return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.eps) if final_norm else hidden
+
+
+_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (weights key, LeanCausalLM)
+
+
+class LeanOutput:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class LeanCausalLM(torch.nn.Module):
+    """A Llama causal LM (`supported(model)`) as the engine's target runs it: LeanLlama's blocks, then
+    the model's own final norm module (so that hooks on it run: fast.feature_draft reads the target's
+    features there) and its own head. Called like the model by fast.models.ModelRunner."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.decoder = LeanLlama(model)
+        self.final_norm, self.head = model.model.norm, model.get_output_embeddings()
+        self.replaced = self._copied(model)  # computed by the fused copies instead
+
+    @classmethod
+    def of(cls, model) -> "LeanCausalLM":
+        """The LeanCausalLM of `model`, made once and kept beside it (not in it) while the weights it
+        copied are unchanged (their storage and version), so that a run pays nothing to build it."""
+        key = tuple((m.weight.data_ptr(), m.weight._version) for m in cls._copied(model))
+        kept = _MADE.get(model)
+        if kept is None or kept[0] != key:
+            kept = (key, cls(model))
+            _MADE[model] = kept
+        return kept[1]
+
+    @staticmethod
+    def _copied(model) -> list:
+        return [m for block in model.model.layers for m in (block.self_attn.q_proj, block.self_attn.k_proj,
+                block.self_attn.v_proj, block.mlp.gate_proj, block.mlp.up_proj)]
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
+                logits_to_keep=0):
+        hidden = self.final_norm(self.decoder(input_ids, position_ids, attention_mask, cache, final_norm=False))
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return LeanOutput(self.head(hidden))

@@ -41,9 +41,13 @@ class ModelRunner:
     is each row's visible length (host integers): fast.attention then reads each group of rows of
     similar length only up to its own longest row."""
 
-    def __init__(self, model):
+    def __init__(self, model, lean: bool = False):
+        """lean: run a Llama model (fast.lean_llama.supported) through LeanCausalLM, the same function
+        with fused projections and fewer operations per layer; other models run as they are."""
+        from .lean_llama import LeanCausalLM, supported
         self.model = model
-        self.cache_kw = cache_argument(model)
+        self.lean = LeanCausalLM.of(model) if lean and supported(model) else None
+        self.cache_kw = "cache" if self.lean is not None else cache_argument(model)
         self.tokens_processed = 0
         self.last_features = None
         self.abilities = abilities_of(model)
@@ -66,8 +70,8 @@ class ModelRunner:
         if features is not None:
             kwargs["features"] = features
         with torch.inference_mode(), forward_plan(kv_lens, input_ids.device, flat):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                             **kwargs)
+            out = (self.lean or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                            use_cache=True, **kwargs)
         self.last_features = getattr(out, "features", None)
         return out.logits
 

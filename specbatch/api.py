@@ -187,8 +187,9 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
                                              request_ids),
                         policy=make_policy(PolicySettings(policy, k, threshold, floor)),
                         backend=backend)
-    target_runner = ModelRunner(target)
-    draft_runner = ModelRunner(draft) if draft is not None else None
+    target_runner = ModelRunner(target, lean=opts.lean and not opts.compile)
+    draft_runner = ModelRunner(draft, lean=opts.lean and not opts.compile) if draft is not None else None
+    leans = [r.lean for r in (target_runner, draft_runner) if r is not None and r.lean is not None]
     results: dict = {}
     bar = None
     if progress:
@@ -217,7 +218,8 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     try:
         with torch.inference_mode(), engine_attention(target, draft, fused=not backend.grouped_attention), \
                 compiled_blocks(*whole, enabled=opts.compile) as compiled, \
-                prepacked_linears(*whole, enabled=opts.prepack and backend.prepack_linears, skip=compiled):
+                prepacked_linears(*whole, *leans, enabled=opts.prepack and backend.prepack_linears,
+                                  skip=list(compiled) + [m for lean in leans for m in lean.replaced]):
             run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
     finally:  # an error (or Ctrl-C) leaves no half-drawn bar in front of its message
         if bar is not None:

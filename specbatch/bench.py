@@ -15,7 +15,9 @@ slows down or speeds up during a run favours neither; figures are means over rep
 each ratio of means the ratios of each repeat's own runs (paired) and their median.
 Each finished run is appended to runs.jsonl in --out-dir at once (outputs and stats, fsync'd),
 so an interrupted bench keeps its runs and `--resume` runs only the rest; at the end bench.json,
-bench.md and two PNG plots are written there.
+bench.md and two PNG plots are written there. A calibration before and after the runs
+(specbatch.calibration) says whether the figures may be quoted: a drift above 10% or a load
+average above the cores flags the report NOT QUOTABLE.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from . import calibration
 from .errors import UserError
 from .machine import describe_machine
 from .options import STRATEGIES, GenerateOptions
@@ -282,7 +285,13 @@ def report_markdown(report: dict) -> str:
         table += "\n\n" + peer_table(report["peers"], report["rows"])
     if report.get("arrivals"):
         table += "\n\n" + arrival_table(report["arrivals"], report.get("arrival_rate"))
-    return f"Command: `{report['setup']['command']}`\n\nMachine: {report['machine']['summary']}\n\n{table}\n"
+    check = report.get("calibration")
+    line = ""
+    if check:
+        line = calibration.describe(check["before"], check["after"], check["verdict"]) + (
+            f" ({check['resumed_runs']} runs of an earlier invocation are not covered)" if check["resumed_runs"] else "")
+        line += "\n\n"
+    return f"Command: `{report['setup']['command']}`\n\nMachine: {report['machine']['summary']}\n\n{line}{table}\n"
 
 
 def plan_units(methods, batch_sizes, repeats) -> list[dict]:
@@ -369,10 +378,12 @@ def run_bench(args, opts: GenerateOptions) -> int:
     journal = open_journal(journal_path, units, args, opts, target, draft, prompt_file)
     args.kept = lambda: (f"{len(journal.results)} of {len(units)} runs are in {journal_path}; --resume runs the rest "
                          "(the same flags with --resume)")
+    journal_kept = list(journal.results)  # runs of an earlier invocation: this one's calibration does not cover them
     if journal.results:
         print(f"resuming: {len(journal.results)} of {len(units)} runs already in {journal_path}", file=sys.stderr)
     runs: dict = {}
     reference = None  # target-only greedy at batch 1: the first "ar" run at batch 1, else its own run
+    before = calibration.calibrate()
     try:
         for unit in units:
             repeat, method, b = unit["repeat"], unit["method"], unit["batch"]
@@ -395,6 +406,7 @@ def run_bench(args, opts: GenerateOptions) -> int:
                 runs.setdefault((method, b), []).append(dict(stats, exact=exact, repeat=repeat))
     finally:
         journal.finish()
+    after = calibration.calibrate()
     rows = []
     for (method, batch), reps in runs.items():
         row = {key: sum(r[key] for r in reps) / len(reps) for key in (
@@ -420,7 +432,9 @@ def run_bench(args, opts: GenerateOptions) -> int:
     latency_rows = (arrival_bench(target, draft, ids, args, opts, max(args.batch_sizes), methods)
                     if args.arrival_rate else [])
     report = dict(machine=machine, setup=setup, rows=rows, arrivals=latency_rows, arrival_rate=args.arrival_rate,
-                  peers=peer_rows(peer_data, reference))
+                  peers=peer_rows(peer_data, reference), calibration=dict(
+                      before=before, after=after, verdict=calibration.verdict(before, after),
+                      resumed_runs=len(journal_kept)))
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
     (out_dir / "bench.md").write_text(report_markdown(report))
     plots = plot(rows, out_dir)

@@ -51,6 +51,8 @@ class GenerateOptions:
     device: str = _option("cpu", "device the models are loaded on: cpu, cuda, cuda:1, ...")
     prepack: bool = _option(True, "CPU linear layers on oneDNN-prepacked weights (float32/bfloat16)")
     compile: bool = _option(False, "torch.compile the MLP blocks and norms (inductor)")
+    lean: bool = _option(True, "run Llama-architecture models through fast.lean_llama (fused q/k/v and gate/up "
+                               "products, fused norms: fewer operations per layer); other models run as they are")
     max_wait: int = _option(4, "exspec: rounds a row may wait for a same-length group")
     pool_window: int | None = _option(None, "exspec: rows the pool looks at (None: 4 x batch_size)")
 
@@ -186,7 +188,7 @@ def check_options(o: GenerateOptions, num_prompts: int, floor_chosen: bool = Tru
     check_int("max_wait", o.max_wait, 0)
     if o.pool_window is not None:
         check_int("pool_window", o.pool_window)
-    for name in ("prepack", "compile"):
+    for name in ("prepack", "compile", "lean"):
         if not isinstance(getattr(o, name), bool):
             raise OptionError(f"{name} must be True or False, got {getattr(o, name)!r}")
     return o

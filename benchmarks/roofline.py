@@ -1,0 +1,162 @@
+"""The floor of a decoding step on this machine, and specbatch's step beside it.
+
+Measures, in one run:
+- the memory read bandwidth (a sum over a 512 MB float32 tensor, far larger than any cache);
+- the linear products of one step alone (SmolLM2-135M's shapes: 30 layers of q, k, v, o, gate, up,
+  down, and the 49,152-row head; random weights) at each row count, in float32 and bfloat16, with
+  torch's plain F.linear and with the oneDNN-prepacked kernel the engine uses on CPU;
+- the per-op overhead: one tiny element-wise op, and one tiny linear, timed in a loop;
+- specbatch's own target-only decode step on SmolLM2 (warm, `generate`, ragged, all rows live):
+  (total - prefill) / new tokens per row, at batch 1 and 13, and its ratio to the products alone.
+Every product figure is the fastest of its repeats (a machine only slows a pass down); the engine's
+step is the median of its runs. A calibration before and after says whether the run may be quoted
+(specbatch.calibration).
+
+    python benchmarks/roofline.py --out docs/results/roofline [--rows 1,2,4,8,13,16,32,52,64] [--no-engine]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specbatch import calibration
+from specbatch.machine import describe_machine
+
+
+def bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def per_op_us(repeats: int = 2000) -> dict:
+    """Microseconds per call of a tiny add, a tiny F.linear and a tiny prepacked linear."""
+    a, w = torch.randn(1, 64), torch.randn(64, 64)
+    out = {}
+    with torch.inference_mode():
+        out["add"] = 1e6 * statistics.median(_timed(lambda: [a + a for _ in range(100)]) for _ in range(repeats // 100)) / 100
+        out["linear"] = 1e6 * statistics.median(_timed(lambda: [F.linear(a, w) for _ in range(100)])
+                                                for _ in range(repeats // 100)) / 100
+        from specbatch.fast.kernels import available
+        if available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            out["prepacked_linear"] = 1e6 * statistics.median(_timed(lambda: [torch.ops.mkldnn._linear_pointwise(
+                a, packed, None, "none", [], "") for _ in range(100)]) for _ in range(repeats // 100)) / 100
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def prepacked_step(weights, rows: int, repeats: int = 7) -> float | None:
+    from specbatch.fast.kernels import available
+    if not available():
+        return None
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights}
+
+    def once():
+        with torch.inference_mode():
+            for w, p in zip(weights, packed):
+                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+    once()
+    return min(_timed(once) for _ in range(repeats))
+
+
+def products_table(rows_list, repeats: int) -> list[dict]:
+    table = []
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = calibration.step_weights(dtype=dtype)
+        head = weights[-1:]
+        for rows in rows_list:
+            plain = calibration.time_products(weights, rows, repeats)
+            packed = prepacked_step(weights, rows, repeats)
+            head_packed = prepacked_step(head, rows, repeats)
+            table.append(dict(dtype=str(dtype).removeprefix("torch."), rows=rows, plain_ms=round(1000 * plain, 2),
+                              prepacked_ms=None if packed is None else round(1000 * packed, 2),
+                              head_prepacked_ms=None if head_packed is None else round(1000 * head_packed, 2)))
+            print(f"{table[-1]}", file=sys.stderr, flush=True)
+    return table
+
+
+def engine_steps(batches, new_tokens: int, repeats: int) -> list[dict]:
+    """specbatch's target-only decode step on SmolLM2 (ragged, float32) at each batch size: the
+    first `batch` of the 13 shipped prompts, chat template, `new_tokens` new tokens, EOS off."""
+    import specbatch
+    from specbatch.bench import SHIPPED_PROMPTS, select_prompts
+    from specbatch.prepare import encode_prompts
+    target, _, tokenizer = specbatch.load("smollm2")
+    ids = encode_prompts([t for _, t in select_prompts(SHIPPED_PROMPTS)], tokenizer, True)
+    rows = []
+    for batch in batches:
+        runs = []
+        for _ in range(repeats + 1):  # the first run warms up
+            r = specbatch.generate(target, None, ids[:batch], max_new_tokens=new_tokens, batch_size=batch,
+                                   eos_token_id=[])
+            runs.append((r.stats["time_total"] - r.stats["time_prefill"]) / (new_tokens - 1))
+        rows.append(dict(batch=batch, step_ms=round(1000 * statistics.median(runs[1:]), 2),
+                         runs_ms=[round(1000 * x, 2) for x in runs[1:]]))
+        print(f"{rows[-1]}", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Machine: {report['machine']['summary']}", f"Command: `{report['command']}`", "",
+             calibration.describe(report["calibration_before"], report["calibration_after"], report["verdict"]), "",
+             f"Memory read bandwidth: {report['bandwidth_gbs']:.1f} GB/s (float32 weights of SmolLM2-135M, "
+             f"538 MB: {538e6 / report['bandwidth_gbs'] / 1e6:.1f} ms per pass)", "",
+             "Per-op overhead (µs per call): " + ", ".join(f"{k} {v}" for k, v in report["per_op_us"].items()), "",
+             "| dtype | rows | products, F.linear (ms) | products, prepacked (ms) | of which the head, prepacked (ms) |",
+             "|---|---|---|---|---|"]
+    for r in report["products"]:
+        lines.append(f"| {r['dtype']} | {r['rows']} | {r['plain_ms']} | {r['prepacked_ms']} | {r['head_prepacked_ms']} |")
+    if report.get("engine"):
+        f32 = {r["rows"]: r for r in report["products"] if r["dtype"] == "float32"}
+        lines += ["", "| batch | specbatch decode step (ms) | products, prepacked (ms) | step / products |",
+                  "|---|---|---|---|"]
+        for r in report["engine"]:
+            floor = f32.get(r["batch"], {}).get("prepacked_ms")
+            ratio = f"{r['step_ms'] / floor:.2f}x" if floor else "-"
+            lines.append(f"| {r['batch']} | {r['step_ms']} | {floor} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,4,8,13,16,32,52,64")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--engine-batches", default="1,13")
+    ap.add_argument("--new-tokens", type=int, default=33)
+    ap.add_argument("--no-engine", action="store_true", help="the products only (no SmolLM2 download)")
+    ap.add_argument("--out", required=True, help="a folder: roofline.json and roofline.md")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    before = calibration.calibrate()
+    report = dict(machine=describe_machine(), command="python benchmarks/roofline.py " + " ".join(sys.argv[1:]),
+                  calibration_before=before, bandwidth_gbs=round(bandwidth_gbs(), 2), per_op_us=per_op_us(),
+                  products=products_table([int(x) for x in args.rows.split(",")], args.repeats))
+    if not args.no_engine:
+        report["engine"] = engine_steps([int(x) for x in args.engine_batches.split(",")], args.new_tokens,
+                                        max(2, args.repeats // 3))
+    report["calibration_after"] = calibration.calibrate()
+    report["verdict"] = calibration.verdict(before, report["calibration_after"])
+    (out / "roofline.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "roofline.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
