@@ -3,7 +3,8 @@
 
     VLLM_VENV/bin/python benchmarks/peer_vllm.py --model MODEL_DIR --prompts prompts.jsonl \
         --per-category 1 --chat-template --max-new-tokens 128 --out vllm.jsonl \
-        [--dtype float32|bfloat16] [--ngram | --draft DRAFT_DIR] [--k 4] [--eager] [--label NAME]
+        [--dtype float32|bfloat16] [--ngram | --draft DRAFT_DIR] [--k 4] [--eager] [--label NAME] \
+        [--max-num-seqs N]   # N = 1: one request at a time (batch 1)
 
 Output: a first line {"engine", "label", "seconds", "generated_tokens", ...} (seconds: the wall time
 of the generate call, model loading excluded, as specbatch measures its own), then one line per
@@ -48,6 +49,8 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (no compiled graphs)")
     ap.add_argument("--label", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's cap on requests decoded together "
+                    "(1: one at a time, batch 1; default: vLLM's)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
@@ -61,8 +64,9 @@ def main():
     elif a.draft:
         speculative = {"method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k}
     prompts = read_prompts(a.prompts, a.per_category)
+    extra = {} if a.max_num_seqs is None else dict(max_num_seqs=a.max_num_seqs)
     llm = LLM(model=a.model, dtype=a.dtype, speculative_config=speculative, max_model_len=2048,
-              enforce_eager=a.eager, seed=0)
+              enforce_eager=a.eager, seed=0, **extra)
     tokenizer = llm.get_tokenizer()
     inputs = []
     for _, text in prompts:
@@ -81,7 +85,7 @@ def main():
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     header = dict(engine=f"vllm {vllm.__version__}", label=a.label or f"vllm {mode}", mode=mode, dtype=a.dtype,
                   k=a.k if speculative else 0, eager=a.eager, seconds=seconds, generated_tokens=generated,
-                  num_requests=len(prompts))
+                  num_requests=len(prompts), max_num_seqs=a.max_num_seqs, load_average=os.getloadavg())
     with open(a.out, "w", encoding="utf-8") as f:
         f.write(json.dumps(header) + "\n")
         for (ident, _), o in zip(prompts, outputs):

@@ -41,7 +41,8 @@ def test_two_processes_give_the_single_process_file(setup, sampling):
     root, target, draft, prompts = setup
     common = ["generate", "--target", target, "--draft", draft, "--prompts", str(prompts), "--dtype", "float64",
               "--max-new-tokens", "8", "--batch-size", "3", *sampling]
-    single, double = root / f"single{len(sampling)}.jsonl", root / f"double{len(sampling)}.jsonl"
+    mode = sampling[sampling.index("--sampling") + 1] if sampling else "greedy"  # each mode its own files
+    single, double = root / f"single-{mode}.jsonl", root / f"double-{mode}.jsonl"
     run = lambda *cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=180)  # noqa: E731
     one = run(sys.executable, "-m", "specbatch", *common, "--out", str(single))
     assert one.returncode == 0, one.stderr[-2000:]
@@ -50,7 +51,7 @@ def test_two_processes_give_the_single_process_file(setup, sampling):
     assert two.returncode == 0, two.stderr[-2000:]
     # the default (goodput) policy times its rounds: the tokens are the same, the rounds may differ
     assert without_rounds(double) == without_rounds(single) and len(without_rounds(single)) == 2 * len(PROMPTS)
-    assert not list(root.glob(f"double{len(sampling)}.jsonl.part*"))
+    assert not list(root.glob(f"double-{mode}.jsonl.part*"))
 
 
 def test_python_api_without_a_launcher_equals_generate():
