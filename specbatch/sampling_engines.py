@@ -144,3 +144,56 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
             done[rows] = is_eos.any(1) | (made[rows] >= budget[rows])
         return [tokens[i, len(p):len(p) + int(made[i])].tolist() for i, p in enumerate(prompts)]
     return sample_fn
+
+
+def move_to_runner_up(p: torch.Tensor, mass: float) -> torch.Tensor:
+    """p [R, V] with min(mass, P(top)) moved from each row's most likely token to its runner-up
+    (nothing moves where the runner-up has probability 0): a deviation whose total-variation
+    distance from p is exactly the mass moved, and which stays inside p's support."""
+    top2 = p.topk(2, dim=-1)
+    moved = torch.minimum(torch.full_like(top2.values[:, 0], mass), top2.values[:, 0])
+    moved = torch.where(top2.values[:, 1] > 0, moved, torch.zeros_like(moved))
+    out = p.clone()
+    rows = torch.arange(p.shape[0], device=p.device)
+    out[rows, top2.indices[:, 0]] -= moved
+    out[rows, top2.indices[:, 1]] += moved
+    return out
+
+
+def planted_engine(target, tv: float, positions=None):
+    """Target-only sampling with a planted deviation of known size, for the sampled checker's
+    sensitivity: at each new-token position in `positions` (None: every position) the token is drawn
+    from move_to_runner_up(P, tv). `sample_fn.planted` collects the total-variation distance of
+    every token drawn at a planted position (its mean is the deviation the checker faced)."""
+    def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
+                  seeds=None):
+        count = len(prompts)
+        seeds = list(seeds) if seeds is not None else list(range(count))
+        device = next(target.parameters()).device
+        budget = torch.tensor(list(max_new_tokens), device=device)
+        prompt_len = torch.tensor([len(p) for p in prompts], device=device)
+        tokens = torch.zeros(count, int((prompt_len + budget).max()) + 1, dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = torch.tensor(p)
+        made = torch.zeros(count, dtype=torch.long, device=device)
+        done = budget <= 0
+        eos = torch.tensor(list(eos_token_ids) or [-1], device=device)
+        stream_of = torch.tensor(seeds, device=device)
+        for step in range(int(budget.max()) if count else 0):
+            rows = (~done).nonzero()[:, 0]
+            if not len(rows):
+                break
+            length = prompt_len[rows] + made[rows]
+            p = _probs(_last_logits(target, tokens[rows], length, 1)[:, 0], temperature, top_k, top_p, None)
+            if positions is None or step in positions:
+                before = p
+                p = move_to_runner_up(p, tv)
+                sample_fn.planted += (p - before).abs().sum(-1).div(2).tolist()
+            u = rng.uniform(stream_of[rows], torch.zeros_like(rows), made[rows], "sample")
+            token = sample_from(p, u)
+            tokens[rows, length] = token
+            made[rows] += 1
+            done[rows] = (token[:, None] == eos).any(-1) | (made[rows] >= budget[rows])
+        return [tokens[i, len(p):len(p) + int(made[i])].tolist() for i, p in enumerate(prompts)]
+    sample_fn.planted = []
+    return sample_fn

@@ -110,6 +110,18 @@ def test_sliding_window_is_applied_by_position(strategy):
     assert result.sequences == want
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_attention_soft_capping_is_applied(strategy):
+    """Gemma 2's tanh soft-capping of attention scores (and of the final logits), float64 exact."""
+    target = tiny("gemma2")
+    want = oracle(target, PROMPTS, 12, [EOS])
+    assert want != oracle(tiny("gemma2", attn_logit_softcapping=0.9), PROMPTS, 12, [EOS])  # the cap changes the output
+    for draft in (tiny("gemma2", layers=1, seed=5), ScriptedDraft(target, deviate_hashed(2, 0.3))):
+        result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=3, batch_size=4,
+                                    eos_token_id=[EOS], check_invariants=True, strategy=strategy, **FIXED_K)
+        assert result.sequences == want
+
+
 def test_work_counters_no_reprefill():
     """Both models keep their caches: each processes about one position per committed token."""
     target = tiny("llama")

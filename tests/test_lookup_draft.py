@@ -263,3 +263,22 @@ def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_pa
                     counts["lookup" if confidence == 1.0 else "model"] += 1
                     ids = ids + [proposal]
     assert counts["lookup"] >= 10 and counts["model"] >= 10
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 49152])
+def test_prompt_lookup_confidence_grows_with_the_matched_ngram(vocab):
+    """The draft's probability of its proposal (what the proposal rules read as confidence): about 1
+    for a match of 2+ tokens, 0.2 for a single-token match, 1.5 / V without a match (barely above
+    uniform, so that such a row stops proposing)."""
+    rows = [[5, 6, 7, 5, 6], [5, 9, 8, 5], [1, 2, 3, 4]]  # matched 2, 1 and 0 tokens
+    width = max(map(len, rows))
+    pad_len = torch.tensor([width - len(r) for r in rows])
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    _, mask = rect_inputs(pad_len, 0, width, None, torch.float32, -1e9)
+    draft = PromptLookupDraft(vocab)
+    probs = draft(input_ids=ids, attention_mask=mask, cache=DynamicCache(), logits_to_keep=1).logits[:, -1].softmax(-1)
+    proposal, matched = lookup(DynamicCache(), 0, ids, mask, max_ngram=3)
+    assert matched.tolist() == [2, 1, 0] and proposal.tolist()[:2] == [7, 9]
+    chosen = probs.gather(1, proposal[:, None])[:, 0].tolist()
+    assert chosen[0] == pytest.approx(1.0, abs=1e-6)
+    assert chosen[1] == pytest.approx(0.2, rel=1e-4) and chosen[2] == pytest.approx(1.5 / vocab, rel=1e-4)

@@ -209,3 +209,16 @@ def test_make_policy_names_each_policy_and_refuses_others():
         RoundInfo(np.arange(2), np.array([4, 2]))).limit.tolist() == [4, 2]
     with pytest.raises(ValueError, match="unknown proposal policy 'smart'"):
         make_policy(PolicySettings("smart", 4))
+
+
+def test_linear_cost_never_prices_below_zero():
+    """Measurements that fit a line with a negative intercept or a falling slope (noise, warm-up)
+    give a cost that is never negative: intercept and slope are clamped at 0."""
+    rising = LinearCost()  # the fitted line 0.011 x - 0.01 would cost less than nothing below x = 1
+    for x, seconds in ((1, 0.001), (10, 0.1)):
+        rising.add(x, seconds)
+    assert rising.slope() == pytest.approx(0.011) and rising(0) == 0.0 and rising(1) == pytest.approx(0.011)
+    falling = LinearCost()  # the larger size measured faster: the cost does not shrink with the size
+    for x, seconds in ((1, 0.05), (8, 0.01)):
+        falling.add(x, seconds)
+    assert falling.slope() == 0.0 and falling(100) == pytest.approx(0.03) and falling(0) == pytest.approx(0.03)

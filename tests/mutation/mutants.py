@@ -25,6 +25,7 @@ SERVER = ["tests/test_server_adapter.py"]
 RESUME = ["tests/test_resume_rules.py"]
 CONFORM = ["tests/test_conform.py"]
 NOTHING_LOST = ["tests/test_nothing_lost.py"]
+GUARDS = ["tests/test_checker_guards.py"]
 
 MUTANTS = [
     # ---- masks
@@ -346,4 +347,41 @@ MUTANTS = [
      "if has_template and chat_template is not False:", "if has_template and chat_template is True:", NOTHING_LOST),
     ("trace-takes-any-strategy", "trace checker", "invariants/trace.py",
      '"strategy": (lambda x: x in STRATEGY_LAYOUTS,', '"strategy": (lambda x: isinstance(x, str),', NOTHING_LOST),
+    # ---- the checkers checked (tests/test_checker_guards.py), and guards that change speed only
+    ("overrun-judged-exact", "greedy checker", "specbatch/conform.py",
+     "if j is None and len(got) == len(want):", "if j is None and len(got) >= len(want):", GUARDS),
+    ("positions-check-skips-the-first-index", "invariant checker", "invariants/checks.py",
+     "bad = (idx >= 0) & (pos != idx)", "bad = (idx > 0) & (pos != idx)", GUARDS),
+    ("mask-check-skips-the-first-query", "invariant checker", "invariants/checks.py",
+     "real = as_numpy(query_index)[:, :, None] >= 0", "real = as_numpy(query_index)[:, :, None] > 0", GUARDS),
+    ("kv-check-skips-the-last-row", "invariant checker", "invariants/checks.py",
+     "for i in (range(keys.shape[0]) if rows is None else rows):",
+     "for i in (range(keys.shape[0] - 1) if rows is None else rows):", GUARDS),
+    ("stop-check-forgives-one-token-after-eos", "invariant checker", "invariants/checks.py",
+     "if first is not None and first != len(seq) - 1:", "if first is not None and first < len(seq) - 2:", GUARDS),
+    ("pooled-row-forgets-its-rounds", "stats", "fast/strategies/exspec.py",
+     "pending if batch.draft is not None else 1, int(batch.rounds[i])))",
+     "pending if batch.draft is not None else 1, 0))", GUARDS),
+    ("softcap-without-division", "attention", "fast/attention.py",
+     "scores = torch.tanh(scores / softcap) * softcap", "scores = torch.tanh(scores) * softcap",
+     ["tests/test_fast_engine.py"]),
+    ("cost-intercept-unclamped", "cost model", "fast/costs.py",
+     "self.fit = (max(float(np.average(ys - b * xs, weights=weight)), 0.0), b)",
+     "self.fit = (float(np.average(ys - b * xs, weights=weight)), b)", POLICY),
+    ("cost-slope-unclamped", "cost model", "fast/costs.py",
+     "b = max(float(np.polyfit(xs, ys, 1, w=np.sqrt(weight))[0]), 0.0)",
+     "b = float(np.polyfit(xs, ys, 1, w=np.sqrt(weight))[0])", POLICY),
+    ("lookup-single-match-confident", "lookup", "fast/lookup_draft.py",
+     "height = torch.where(matched == 1, confidence_height(0.2, vocab), height)",
+     "height = torch.where(matched == 1, confidence_height(0.9, vocab), height)", LOOKUP),
+    ("rank-skips-the-first-position", "sampled checker", "specbatch/sampled.py",
+     "    rank = pit[kept & ~at_big]\n", "    rank = pit[:, 1:][(kept & ~at_big)[:, 1:]]\n", GUARDS),
+    ("cells-always-merge-the-rest", "sampled checker", "specbatch/sampled.py",
+     "if tokens and (1.0 - probs[tokens].sum()) * count < CELL_MIN:", "if tokens:", GUARDS),
+    ("independence-drops-early-stops", "sampled checker", "specbatch/sampled.py",
+     "or not seq_prob.get(a[\"id\"]):", "or not seq_prob.get(a[\"id\"]) or len(got[a[\"id\"]]) < a[\"max_new_tokens\"]:",
+     GUARDS),
+    ("tv-margin-widened", "sampled checker", "specbatch/sampled.py",
+     "return math.sqrt(math.log(2 / delta) / (2 * n)) if n else 1.0",
+     "return math.sqrt(math.log(4 / delta) / (2 * n)) if n else 1.0", GUARDS),
 ]
