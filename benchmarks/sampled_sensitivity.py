@@ -2,6 +2,8 @@
 probability 0.99, at one position and at every position, measured by simulation.
 
     python benchmarks/sampled_sensitivity.py --out docs/results/sampled-sensitivity [--sizes 512,2048]
+    python benchmarks/sampled_sensitivity.py --out ... --sizes 2048 --places 'first position,every position' --screen 6 \
+        --runs 30 --resume  # add a size
 
 An engine of target-only sampling on the toy pair (specbatch.testing.toy_sampling_pair) with a
 planted deviation (specbatch.sampling_engines.planted_engine): at the planted positions, mass
@@ -64,6 +66,8 @@ def main():
     ap.add_argument("--sizes", default="512,2048", help="samples per request (default 512, the default size, and 2048)")
     ap.add_argument("--screen", type=int, default=20, help="runs per bisection screen (default 20)")
     ap.add_argument("--runs", type=int, default=100, help="runs that confirm a level (default 100)")
+    ap.add_argument("--places", default=",".join(PLACES), help=f"where to plant (default: {', '.join(PLACES)})")
+    ap.add_argument("--resume", action="store_true", help="keep the sizes already in OUT/sensitivity.json, run the rest")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,8 +75,14 @@ def main():
     command = "python benchmarks/sampled_sensitivity.py " + " ".join(sys.argv[1:])
     machine = describe_machine()
     results = []
+    if a.resume and (out / "sensitivity.json").is_file():
+        earlier = json.loads((out / "sensitivity.json").read_text())
+        results = [r for r in earlier["results"] if str(r["samples"]) not in a.sizes.split(",")]
+        command = f"{earlier['command']}; then {command}"
     for samples in (int(s) for s in a.sizes.split(",")):
-        for place, positions in PLACES.items():
+        for place in a.places.split(","):
+            positions = PLACES[place]
+
             def log(t, samples=samples, place=place):
                 print(f"{samples:5d} {place:15s} tv {t['level']:<6} rejected {t['rejected']}/{t['runs']}  "
                       f"mean tv {t['mean_tv']:.4f}  ({t['seconds']:.0f} s)", flush=True)

@@ -65,7 +65,6 @@ class Settings:
     chooser: object = field(default_factory=Greedy)  # fast.sampling: Greedy, Rejection or Coupled
     arrivals: Arrivals | None = None  # when requests become available (None: all at once)
     policy: object = None  # fast.policy: FixedK, Threshold or Goodput (None: every row drafts its limit)
-    flat_verify: bool = True  # ragged: verify each row's own proposals in one flat forward
     backend: Backend = field(default_factory=lambda: CHOICES["cpu"])  # the device's speed choices (fast.backend)
 
     @property

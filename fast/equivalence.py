@@ -45,12 +45,6 @@ def next_logits(model, prefix: list[int]) -> torch.Tensor:
     return ModelRunner(model)(torch.tensor([prefix], device=device), pos, mask, None, last_only=True)[0, -1].double()
 
 
-def top2_margin(model, prefix: list[int]) -> float:
-    """Top-1 minus top-2 logit of the model's next-token distribution after `prefix` (batch 1)."""
-    top = next_logits(model, prefix).topk(2).values
-    return float(top[0] - top[1])
-
-
 def first_divergence(got: list[int], want: list[int]) -> int | None:
     for j, (a, b) in enumerate(zip(got, want)):
         if a != b:

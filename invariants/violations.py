@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import SpecbatchError
+
 
 def as_numpy(x) -> np.ndarray:
     """NumPy view of an array-like or a torch tensor (without importing torch)."""
@@ -42,7 +44,7 @@ class Violation:
         return text
 
 
-class InvariantError(Exception):
+class InvariantError(SpecbatchError):
     """Raised by engines running with check_invariants=True; carries the violations found."""
 
     def __init__(self, violations: list[Violation]):

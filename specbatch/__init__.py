@@ -3,11 +3,13 @@
 `specbatch.generate` (torch engine), `specbatch.load` (a target and draft by name),
 `specbatch.GenerateOptions` (every default), `specbatch.reference` (NumPy reference),
 `specbatch.invariants` (checkers and trace format), `specbatch.fast` (the torch engine's parts).
+Every exception specbatch raises on purpose is a `specbatch.SpecbatchError`.
 """
+from .errors import SpecbatchError, UserError
 from .options import GenerateOptions
 
 __version__ = "0.1.0"
-__all__ = ["generate", "load", "GenerateOptions", "GenerationResult", "STRATEGIES"]
+__all__ = ["generate", "load", "GenerateOptions", "GenerationResult", "STRATEGIES", "SpecbatchError", "UserError"]
 
 
 def __getattr__(name):  # import torch only when the torch engine is used

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import SpecbatchError
+
 MIN_CONTEXT = 64  # the longest request of the fixed classes: a 39-token prompt + 16 new tokens, with room
 VECTORS_VERSION = 4  # 2: SHA-256 of requests.jsonl and reference.jsonl; 3: a pad id distinct from EOS;
 # 4: the manifest's digest of its own fields that decide verdicts (DECISIVE)
@@ -35,7 +37,7 @@ CLASSES = ("pad-in-prompt", "eos-in-prompt", "eos-offset", "budget-mid-round", "
            "wide-margin")
 
 
-class VectorError(Exception):
+class VectorError(SpecbatchError):
     """Vectors or outputs that cannot be read (a one-line message naming the file)."""
 
 

@@ -22,12 +22,14 @@ import stat
 import tempfile
 from pathlib import Path
 
+from .errors import SpecbatchError
 
-class InputError(Exception):
+
+class InputError(SpecbatchError):
     """A problem with an input file or an output path; the message names the file and line."""
 
 
-class OutputError(Exception):
+class OutputError(SpecbatchError):
     """Writing results failed (a full disk, a lost folder); what was flushed before stays readable."""
 
 

@@ -15,6 +15,8 @@ import numbers
 import sys
 from dataclasses import dataclass, field
 
+from .errors import SpecbatchError
+
 STRATEGIES = ("eqspec", "exspec", "ragged")  # the public strategies (the broken variants are bench-only)
 SAMPLING_MODES = ("rejection", "coupled")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -95,7 +97,7 @@ def resolve(options: GenerateOptions | None, overrides: dict) -> tuple[GenerateO
     return dataclasses.replace(base, **overrides), floor_chosen
 
 
-class OptionError(ValueError):
+class OptionError(SpecbatchError, ValueError):
     """An argument out of its range; the message starts with the argument's name."""
 
 

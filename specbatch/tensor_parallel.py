@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .errors import SpecbatchError
 
-class TensorParallelError(ValueError):
+
+class TensorParallelError(SpecbatchError, ValueError):
     """A model or a launch that tensor parallelism cannot serve; the message names the reason."""
 
 

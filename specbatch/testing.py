@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .conform import Report, Vectors, check_outputs, load_vectors, make_vectors, reference_outputs
+from .errors import SpecbatchError
 
 
-class ConformanceError(AssertionError):
+class ConformanceError(SpecbatchError, AssertionError):
     """An engine's outputs are not equivalent to target-only decoding; the message lists where."""
 
 
@@ -281,10 +282,6 @@ def find_counterexample(generate_fn, target, *, max_requests: int = 6, max_promp
 
 
 # ---------------------------------------------------------------- sampled engines
-
-SAMPLED_PROTOCOL = """sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k, top_p,
-          seeds) -> list[list[int]]   # one continuation per prompt, input order, the first EOS kept"""
-
 
 def specbatch_sampling_engine(target, draft, sampling: str = "rejection", strategy: str = "ragged", **options):
     """specbatch.generate in one sampling mode ("rejection" or "coupled"), one seed per row."""

@@ -320,3 +320,25 @@ def test_float_checks_agree_with_math():
         with pytest.raises(OptionError):
             check_real("x", bad, 0.0)
     assert check_real("x", 0, 0.0) == 0.0
+
+
+def test_every_exception_specbatch_raises_on_purpose_is_a_specbatch_error():
+    """One base to catch: each error class of the package derives from specbatch.SpecbatchError
+    (and keeps the built-in base callers may already catch)."""
+    import specbatch
+    from specbatch.conform import VectorError
+    from specbatch.errors import UserError
+    from specbatch.fast.loading import ModelLoadError
+    from specbatch.invariants.trace import TraceError
+    from specbatch.invariants.violations import InvariantError
+    from specbatch.io import InputError, OutputError
+    from specbatch.options import OptionError
+    from specbatch.serving import ServerError
+    from specbatch.tensor_parallel import TensorParallelError
+    from specbatch.testing import ConformanceError
+    classes = [UserError, VectorError, ModelLoadError, TraceError, InvariantError, InputError, OutputError,
+               OptionError, ServerError, TensorParallelError, ConformanceError]
+    assert all(issubclass(c, specbatch.SpecbatchError) for c in classes)
+    assert issubclass(OptionError, ValueError) and issubclass(ConformanceError, AssertionError)
+    with pytest.raises(specbatch.SpecbatchError, match="temperature"):
+        specbatch.generate(None, None, [[1]], temperature=-1.0)

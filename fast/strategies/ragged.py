@@ -150,7 +150,7 @@ class RaggedEngine:
         q = None if proposals.q is None else proposals.q[:, :width - 1]
         last = self.tokens[rows_dev, dev(content - 1)]
         tokens = torch.cat([last[:, None], drafted], dim=1)  # [R, W]: row i uses its first p_i + 1
-        if s.flat_verify and self.grouped:
+        if self.grouped:  # one flat forward of each row's own proposals
             choice, accepted_t, queries, verified = self.verify_flat(tokens, content, p, drafted, q, requests,
                                                                      content_t, found)
         else:
