@@ -46,9 +46,10 @@ CASES = {"past-eos": (past_eos, "eos", "the output continues past the reference'
 
 
 def tampered_rows(vectors, tamper):
+    """The reference answers as output rows, each changed by tamper(answer, stop_reason)."""
     v = load_vectors(vectors)
-    return [dict(id=r["id"], token_ids=tamper(list(v.reference[r["id"]]["token_ids"]), v.reference[r["id"]]["stop_reason"]))
-            for r in v.requests]
+    refs = [v.reference[r["id"]] for r in v.requests]
+    return [dict(id=ref["id"], token_ids=tamper(list(ref["token_ids"]), ref["stop_reason"])) for ref in refs]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -56,9 +57,9 @@ def test_a_wrong_stop_is_algorithmic_at_the_reference_end(greedy_vectors, case):
     tamper, stop, detail = CASES[case]
     v = load_vectors(greedy_vectors)
     report = check_outputs(v, tampered_rows(greedy_vectors, tamper))
-    changed = {r["id"] for r in v.requests if tamper(list(v.reference[r["id"]]["token_ids"]), stop)
-               != v.reference[r["id"]]["token_ids"] and v.reference[r["id"]]["stop_reason"] == stop}
-    assert changed  # the vectors hold such requests
+    refs = [v.reference[r["id"]] for r in v.requests]
+    changed = {ref["id"] for ref in refs if tamper(list(ref["token_ids"]), ref["stop_reason"]) != ref["token_ids"]}
+    assert changed and all(v.reference[i]["stop_reason"] == stop for i in changed)  # the vectors hold such requests
     bad = {r["id"]: r for r in report.requests if r["verdict"] != "exact"}
     assert set(bad) == changed and not report.conformant
     for ident, r in bad.items():
@@ -255,7 +256,8 @@ def test_per_request_statistics_equal_the_trace_under_pooling(tmp_path, strategy
     assert len(batches) > 3  # requests met other requests than their first batch's
     assert committed == [len(s) for s in result.sequences]
     assert [s["rounds"] for s in result.request_stats] == rounds
-    assert [s["accepted_length"] for s in result.request_stats] == pytest.approx([c / r for c, r in zip(committed, rounds)])
+    per_round = [c / r for c, r in zip(committed, rounds)]
+    assert [s["accepted_length"] for s in result.request_stats] == pytest.approx(per_round)
     assert sum(committed) == result.stats["generated_tokens"]
     assert result.stats["mean_accepted_length"] == pytest.approx(sum(committed) / sum(rounds))
 
@@ -361,4 +363,5 @@ def test_the_position_bound_uses_the_dkw_margin_of_its_own_token_count(small_cas
     for p in report.positions:
         assert p["margin"] == pytest.approx(math.sqrt(math.log(2 / (ALPHA / cells)) / (2 * p["tokens"])))
     assert dkw_margin(200, 0.01) == pytest.approx(math.sqrt(math.log(200) / 400))
-    assert tv_lower_bound(dict(ks=0.3, margin=0.1)) == pytest.approx(0.2) and tv_lower_bound(dict(ks=0.1, margin=0.3)) == 0
+    assert tv_lower_bound(dict(ks=0.3, margin=0.1)) == pytest.approx(0.2)
+    assert tv_lower_bound(dict(ks=0.1, margin=0.3)) == 0
