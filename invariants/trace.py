@@ -35,7 +35,7 @@ from .checks import (check_alignment, check_goodput_lengths, check_mask, check_p
                      check_round_commit, check_stop)
 from .violations import Violation
 from ..errors import SpecbatchError
-from ..io import InputError, check_input_file, loads_strict, open_for_writing
+from ..io import InputError, json_objects, open_for_writing
 
 TRACE_VERSION = 2
 
@@ -80,35 +80,21 @@ def mask_strings(allowed: np.ndarray) -> list[str]:
 def read_trace(path) -> tuple[dict, list[dict], dict | None]:
     path = Path(path)
     try:
-        check_input_file(path, "trace")
+        numbered = json_objects(path, "trace")
     except InputError as e:
         raise TraceError(str(e)) from None
     header, rounds, results = None, [], None
-    try:
-        with open(path) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = loads_strict(line, f"{path}:{number}")
-                except InputError as e:
-                    raise TraceError(str(e)) from None
-                if not isinstance(obj, dict):
-                    raise TraceError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
-                if header is None:
-                    if obj.get("trace") != "specbatch":
-                        raise TraceError(f"{path}:{number}: not a specbatch trace (no header line)")
-                    header = obj
-                elif "round" in obj:
-                    rounds.append(obj)
-                elif "results" in obj:
-                    results = obj
-                else:
-                    raise TraceError(f"{path}:{number}: line is neither a round nor the results")
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not a text file") from None
-    except OSError as e:
-        raise TraceError(f"{path}: cannot read ({e.strerror})") from None
+    for number, obj in numbered:
+        if header is None:
+            if obj.get("trace") != "specbatch":
+                raise TraceError(f"{path}:{number}: not a specbatch trace (no header line)")
+            header = obj
+        elif "round" in obj:
+            rounds.append(obj)
+        elif "results" in obj:
+            results = obj
+        else:
+            raise TraceError(f"{path}:{number}: line is neither a round nor the results")
     if header is None:
         raise TraceError(f"{path}: empty trace")
     validate_schema(path, header, rounds, results)

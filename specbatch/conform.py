@@ -217,23 +217,15 @@ def _default_ulps(dtype: str) -> float:
 
 def _jsonl(path: Path, what: str) -> list[dict]:
     """The JSON objects of a JSONL file, each with an 'id', read by specbatch.io's strict reader."""
-    from .io import InputError, loads_strict, text_lines
+    from .io import InputError, json_objects
     try:
-        lines = text_lines(path, what)
+        numbered = json_objects(path, what)
     except InputError as e:
         raise VectorError(str(e)) from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = loads_strict(line, f"{path}:{n}")
-        except InputError as e:
-            raise VectorError(str(e)) from None
-        if not isinstance(obj, dict) or "id" not in obj:
+    for n, obj in numbered:
+        if "id" not in obj:
             raise VectorError(f"{path}:{n}: expected a JSON object with an 'id'")
-        rows.append(obj)
-    return rows
+    return [obj for _, obj in numbered]
 
 
 def _is_int(value) -> bool:

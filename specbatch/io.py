@@ -96,6 +96,20 @@ def text_lines(path: Path, what: str) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 
+def json_objects(path, what: str) -> list[tuple[int, dict]]:
+    """[(line number, object)] of a JSONL file, blank lines skipped: every line read by loads_strict
+    and required to be a JSON object, or an InputError naming the file and line."""
+    out = []
+    for n, line in enumerate(text_lines(Path(path), what), 1):
+        if not line.strip():
+            continue
+        obj = loads_strict(line, f"{path}:{n}")
+        if not isinstance(obj, dict):
+            raise InputError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+        out.append((n, obj))
+    return out
+
+
 def read_prompts(path) -> list[tuple[str, str]]:
     """[(id, text)] in file order. A `.jsonl` (or `.json`) file must hold one JSON object per line;
     other files are JSONL when their first line starts with "{", else plain text, one prompt per line."""
