@@ -228,23 +228,31 @@ def peer_rows(peers, reference) -> list[dict]:
 
 
 def peer_table(rows, ours) -> str:
-    """Other engines beside the fastest specbatch row of each kind (target-only, speculative)."""
-    best_ar = max((r for r in ours if r["method"] == "ar"), key=lambda r: r["tokens_per_second"], default=None)
-    best_spec = max((r for r in ours if r["method"] not in ("ar",) + BROKEN_METHODS + ("hf-assisted",)),
-                    key=lambda r: r["tokens_per_second"], default=None)
-    lines = ["Other engines on the same prompts (their own wall time of one generate call, all requests at once):", "",
+    """Other engines beside the fastest specbatch row of each kind (target-only, speculative); a peer
+    whose header says it ran at most `max_num_seqs` requests at a time is compared with specbatch's
+    rows at that batch size when the bench measured it."""
+    def best(kind, batch=None):
+        mine = [r for r in ours if kind(r["method"]) and (batch is None or r["batch"] == batch)]
+        return max(mine, key=lambda r: r["tokens_per_second"], default=None)
+    is_ar = lambda m: m == "ar"  # noqa: E731
+    is_spec = lambda m: m not in ("ar",) + BROKEN_METHODS + ("hf-assisted",)  # noqa: E731
+    lines = ["Other engines on the same prompts (their own wall time of one generate call, all requests at once "
+             "unless the engine's name says it ran fewer at a time):", "",
              "| engine | tokens/s | specbatch best ar (batch) | ratio | specbatch best speculative (batch) | ratio | "
              "exact match vs specbatch reference |", "|---|---|---|---|---|---|---|"]
     for r in rows:
+        limit = r.get("header", {}).get("max_num_seqs")
+        at = limit if isinstance(limit, int) and any(o["batch"] == limit for o in ours) else None
         cells = []
-        for best in (best_ar, best_spec):
-            if best is None:
+        for mine in (best(is_ar, at), best(is_spec, at)):
+            if mine is None:
                 cells += ["-", "-"]
             else:
-                cells += [f"{best['tokens_per_second']:.1f} ({best['method']}, {best['batch']})",
-                          f"{best['tokens_per_second'] / r['tokens_per_second']:.2f}x"]
+                cells += [f"{mine['tokens_per_second']:.1f} ({mine['method']}, {mine['batch']})",
+                          f"{mine['tokens_per_second'] / r['tokens_per_second']:.2f}x"]
         note = f" ({r['missing']} ids missing)" if r["missing"] else ""
-        lines.append(f"| {r['method']} | {r['tokens_per_second']:.1f} | {' | '.join(cells)} | {r['exact']}{note} |")
+        name = r["method"] + (f" (at most {limit} at a time)" if isinstance(limit, int) else "")
+        lines.append(f"| {name} | {r['tokens_per_second']:.1f} | {' | '.join(cells)} | {r['exact']}{note} |")
     return "\n".join(lines)
 
 

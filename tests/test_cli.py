@@ -237,3 +237,19 @@ def test_bad_draft_forms_are_one_line_errors(folders, prompt_file, capsys, draft
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_peer_that_ran_one_request_at_a_time_is_compared_at_batch_1():
+    """bench's table of other engines: a peer whose header says max_num_seqs N is set beside
+    specbatch's rows at batch N (when measured), any other peer beside the fastest rows."""
+    from specbatch.bench import peer_table
+    ours = [dict(method="ar", batch=1, tokens_per_second=20.0), dict(method="ragged", batch=1, tokens_per_second=30.0),
+            dict(method="ar", batch=13, tokens_per_second=100.0),
+            dict(method="ragged", batch=13, tokens_per_second=110.0)]
+    peers = [dict(method="vllm b1", tokens_per_second=10.0, missing=0, exact="13/13", header=dict(max_num_seqs=1)),
+             dict(method="vllm", tokens_per_second=50.0, missing=0, exact="13/13", header=dict(max_num_seqs=None)),
+             dict(method="vllm b4", tokens_per_second=40.0, missing=0, exact="13/13", header=dict(max_num_seqs=4))]
+    one, every, four = peer_table(peers, ours).splitlines()[-3:]
+    assert "20.0 (ar, 1) | 2.00x | 30.0 (ragged, 1) | 3.00x" in one and "at most 1 at a time" in one
+    assert "100.0 (ar, 13) | 2.00x | 110.0 (ragged, 13) | 2.20x" in every
+    assert "100.0 (ar, 13) | 2.50x" in four  # batch 4 was not measured: the fastest rows
