@@ -8,13 +8,18 @@ def figure(ms, load=0.5, cores=2):
     return dict(step_ms=ms, rows=8, shapes="s", load_average=load, cores=cores, threads=2)
 
 
-def test_a_drift_above_ten_percent_or_a_load_above_the_cores_is_not_quotable():
+def test_a_drift_above_ten_percent_or_a_load_of_others_above_half_the_cores_is_not_quotable():
     assert calibration.verdict(figure(10.0), figure(10.9))["quotable"]
+    # the benchmark's own two threads: a load of 2.04 after the run is its own, 3.2 is another process's
+    assert calibration.verdict(figure(10.0), figure(10.0, load=2.04))["quotable"]
+    busy = calibration.verdict(figure(10.0), figure(10.0, load=3.2))
+    assert not busy["quotable"] and "other processes kept 1.20 of the 2 cores busy" in busy["reasons"][0]
+    assert calibration.verdict(figure(10.0), figure(10.0, load=2.9))["quotable"]  # 0.9: below half the cores
     drifted = calibration.verdict(figure(10.0), figure(11.2))
     assert not drifted["quotable"] and "drifted 12%" in drifted["reasons"][0]
     assert not calibration.verdict(figure(11.2), figure(10.0))["quotable"]  # faster after: drifted too
-    loaded = calibration.verdict(figure(10.0, load=2.5), figure(10.0))
-    assert not loaded["quotable"] and "load average 2.50 before exceeds the 2 cores" in loaded["reasons"][0]
+    loaded = calibration.verdict(figure(10.0, load=3.5), figure(10.0))
+    assert not loaded["quotable"] and "load average 3.50 before" in loaded["reasons"][0]
     assert calibration.verdict(figure(10.0, load=None), figure(10.0, load=2.0))["quotable"]
     line = calibration.describe(figure(10.0), figure(11.2), drifted)
     assert "NOT QUOTABLE: calibration drifted 12%" in line
