@@ -75,10 +75,13 @@ def _draft_step(logits, temperature, top_k, top_p, bug, u):
     return sample_from(source, u), q
 
 
-def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens: int = 4):
-    """The textbook sampler on (target, draft) as an engine; bug: None or a key of BUGS."""
+def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens: int = 4, planted=None):
+    """The textbook sampler on (target, draft) as an engine; bug: None or a key of BUGS; planted:
+    (tv, positions) for target-only sampling with a planted deviation (see planted_engine)."""
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r}; known: {', '.join(BUGS)}")
+    if planted is not None and draft is not None:
+        raise ValueError("a planted deviation is for target-only sampling (draft=None)")
     k = num_draft_tokens if draft is not None else 0
 
     def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
@@ -124,6 +127,11 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
             index = torch.arange(len(rows), device=device)
             p_at = p[index, accepted]
             dist = p_at
+            if planted is not None:  # target-only: every live row is at the same position, made[rows]
+                tv, positions = planted
+                if positions is None or int(made[rows][0]) in positions:
+                    before, dist = dist, move_to_runner_up(dist, tv)
+                    sample_fn.planted += (dist - before).abs().sum(-1).div(2).tolist()
             if k:
                 q_at = q[index, accepted.clamp(max=k - 1)]
                 residual = (p_at - q_at).clamp(min=0) if bug == "residual-unnormalised" else \
@@ -143,6 +151,7 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
             made[rows] += first_eos
             done[rows] = is_eos.any(1) | (made[rows] >= budget[rows])
         return [tokens[i, len(p):len(p) + int(made[i])].tolist() for i, p in enumerate(prompts)]
+    sample_fn.planted = []  # with planted: the TV distance of every token drawn at a planted position
     return sample_fn
 
 
@@ -165,35 +174,4 @@ def planted_engine(target, tv: float, positions=None):
     sensitivity: at each new-token position in `positions` (None: every position) the token is drawn
     from move_to_runner_up(P, tv). `sample_fn.planted` collects the total-variation distance of
     every token drawn at a planted position (its mean is the deviation the checker faced)."""
-    def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
-                  seeds=None):
-        count = len(prompts)
-        seeds = list(seeds) if seeds is not None else list(range(count))
-        device = next(target.parameters()).device
-        budget = torch.tensor(list(max_new_tokens), device=device)
-        prompt_len = torch.tensor([len(p) for p in prompts], device=device)
-        tokens = torch.zeros(count, int((prompt_len + budget).max()) + 1, dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = torch.tensor(p)
-        made = torch.zeros(count, dtype=torch.long, device=device)
-        done = budget <= 0
-        eos = torch.tensor(list(eos_token_ids) or [-1], device=device)
-        stream_of = torch.tensor(seeds, device=device)
-        for step in range(int(budget.max()) if count else 0):
-            rows = (~done).nonzero()[:, 0]
-            if not len(rows):
-                break
-            length = prompt_len[rows] + made[rows]
-            p = _probs(_last_logits(target, tokens[rows], length, 1)[:, 0], temperature, top_k, top_p, None)
-            if positions is None or step in positions:
-                before = p
-                p = move_to_runner_up(p, tv)
-                sample_fn.planted += (p - before).abs().sum(-1).div(2).tolist()
-            u = rng.uniform(stream_of[rows], torch.zeros_like(rows), made[rows], "sample")
-            token = sample_from(p, u)
-            tokens[rows, length] = token
-            made[rows] += 1
-            done[rows] = (token[:, None] == eos).any(-1) | (made[rows] >= budget[rows])
-        return [tokens[i, len(p):len(p) + int(made[i])].tolist() for i, p in enumerate(prompts)]
-    sample_fn.planted = []
-    return sample_fn
+    return sampling_engine(target, planted=(tv, positions))

@@ -365,3 +365,25 @@ def test_the_position_bound_uses_the_dkw_margin_of_its_own_token_count(small_cas
     assert dkw_margin(200, 0.01) == pytest.approx(math.sqrt(math.log(200) / 400))
     assert tv_lower_bound(dict(ks=0.3, margin=0.1)) == pytest.approx(0.2)
     assert tv_lower_bound(dict(ks=0.1, margin=0.3)) == 0
+
+
+def test_a_planted_deviation_moves_the_stated_mass_and_nothing_else():
+    """planted_engine: with tv 0 it is target-only sampling token for token; with tv 0.2 at the first
+    position only, each planted token's TV distance is min(0.2, P(top)) and positions past it are
+    drawn as target-only sampling draws them given the same first token."""
+    from specbatch.sampled import sampled_vectors
+    from specbatch.sampling_engines import planted_engine, sampling_engine
+    from specbatch.testing import toy_sampling_pair
+    target, _ = toy_sampling_pair()
+    v = sampled_vectors(target, samples=8, seed=2)
+    s = v.settings()[0]
+    rows = v.rows_of(s["name"])
+    call = dict(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], seeds=[r["seed"] for r in rows])
+    args = ([r["token_ids"] for r in rows], [r["max_new_tokens"] for r in rows], v.manifest["eos_token_ids"], 4)
+    exact = sampling_engine(target)(*args, **call)
+    assert planted_engine(target, 0.0)(*args, **call) == exact
+    planted = planted_engine(target, 0.2, {0})
+    got = planted(*args, **call)
+    assert len(planted.planted) == len(rows) and all(0 < d <= 0.2 + 1e-12 for d in planted.planted)
+    assert any(g[0] != e[0] for g, e in zip(got, exact))
+    assert all(g[1:] == e[1:] for g, e in zip(got, exact) if g[0] == e[0])
