@@ -63,6 +63,7 @@ class Settings:
     check: bool = False
     trace: TraceWriter | None = None
     chooser: object = field(default_factory=Greedy)  # fast.sampling: Greedy, Rejection or Coupled
+    processors: object = None  # fast.processors.LogitProcessors (None: no penalties, bias, min_tokens or stops)
     arrivals: Arrivals | None = None  # when requests become available (None: all at once)
     policy: object = None  # fast.policy: FixedK, Threshold or Goodput (None: every row drafts its limit)
     backend: Backend = field(default_factory=lambda: CHOICES["cpu"])  # the device's speed choices (fast.backend)
@@ -232,11 +233,14 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         if needed.any():
             logits = step_forward(step, ids, needed)
             model_steps = step + 1
+            # processors (penalties) see the round's proposals so far
+            prefix = {} if settings.processors is None else dict(prefix=_so_far(steps, rows, device))
             if found is not None:  # lookup rows take the lookup's step, the others its match where it has one
                 use = torch.as_tensor(lookup_rows, device=found.matched.device) | (found.matched > 0)
-                token, dist, confidence = settings.chooser.draft(logits, requests, content + step, found, use)
+                token, dist, confidence = settings.chooser.draft(logits, requests, content + step, found, use,
+                                                                 **prefix)
             else:
-                token, dist, confidence = settings.chooser.draft(logits, requests, content + step)
+                token, dist, confidence = settings.chooser.draft(logits, requests, content + step, **prefix)
         elif found is not None:  # lookup rows alone: no model, and greedy builds no [R, V] logits
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
         else:
@@ -253,11 +257,16 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         proposed += proposes
         if not active.any():
             break
-    drafted = torch.cat(steps, dim=1) if steps else torch.zeros(rows, 0, dtype=torch.long, device=device)
+    drafted = _so_far(steps, rows, device)
     q = torch.stack(dists, dim=1) if steps and settings.chooser.needs_q else None
     confidence = torch.stack(confidences, dim=1) if steps else None
     host_confidence = np.stack(host, axis=1) if host else None
     return Proposals(drafted, q, confidence, proposed, rule, len(steps), model_steps, lookup_rows, host_confidence)
+
+
+def _so_far(steps: list, rows: int, device) -> torch.Tensor:
+    """The proposals of a round's earlier steps [R, s]."""
+    return torch.cat(steps, dim=1) if steps else torch.zeros(rows, 0, dtype=torch.long, device=device)
 
 
 def record_round(settings: Settings, clock, requests, proposals: Proposals, accepted, verify_tokens: int) -> None:
@@ -322,13 +331,13 @@ def dynamic_layer_kv(cache: DynamicCache, row: int):
 
 
 def observe_round(settings: Settings, found: list, round_index: int, rows: dict, queries, proposals: Proposals,
-                  choice, accepted, n, remaining, finished) -> None:
+                  choice, accepted, n, remaining, finished, stopped=None) -> None:
     """check_invariants (I5, I6 of the commit, I7 of the proposals) and trace output of one round,
     for any layout.
 
     rows: requests, prompt_len, tokens, pad_len and content_len of the round's rows (host or device);
     queries: per row, the position ids [Q_i] and the visible slots [Q_i, S] (bool) of its verify
-    queries, as host arrays (a row's own queries only)."""
+    queries, as host arrays (a row's own queries only); stopped [R]: the rows a stop string ended."""
     if not (settings.check or settings.trace is not None):
         return
     committed = committed_lists(choice, n)
@@ -337,7 +346,7 @@ def observe_round(settings: Settings, found: list, round_index: int, rows: dict,
     if settings.check:
         width = proposals.width - 1
         found += check_round_commit(drafted[:, :width], choice.cpu().numpy(), p, accepted, committed,
-                                    remaining, settings.eos_ids)
+                                    remaining, settings.eos_ids, stopped)
         found += check_proposals(settings, proposals)
     if settings.trace is not None:
         host_choice = choice.cpu().numpy()

@@ -22,8 +22,10 @@ from .reduced_head import SubsetLogits, full_logits
 from .verify import greedy_accept
 
 
-def processed_log_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None):
-    """log-probabilities after temperature, top-k and top-p (float64; -inf outside the kept set)."""
+def processed_log_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                        min_p=None):
+    """log-probabilities after temperature, top-k, top-p and min_p (float64; -inf outside the kept
+    set). min_p: None, a number, or a tensor broadcastable to logits[..., :1] (one per row)."""
     x = logits.double()
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature  # top logit 0 first: finite at any normal temperature
     if top_k is not None and top_k < x.shape[-1]:
@@ -36,7 +38,11 @@ def processed_log_probs(logits: torch.Tensor, temperature: float, top_k: int | N
         drop_sorted = before >= top_p  # keep the smallest prefix whose mass reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    return x.log_softmax(dim=-1)
+    x = x.log_softmax(dim=-1)
+    if min_p is not None:  # keep p >= min_p * max p: log p >= log min_p + max log p
+        floor = torch.as_tensor(min_p, dtype=x.dtype, device=x.device).log() + x.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(x < floor, float("-inf")).log_softmax(dim=-1)
+    return x
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -94,6 +100,13 @@ class Chooser:
     index of each row's query j (repeating the row's last query past its proposals)."""
 
     needs_q = False
+    processors = None  # fast.processors.LogitProcessors: penalties, bias, min_tokens (min_p when sampling)
+
+    def processed(self, logits, requests, drafted=None):
+        """logits after the requests' processors (float64), or as they are without any."""
+        if self.processors is None or not self.processors.changes_logits:
+            return logits
+        return self.processors.process(full_logits(logits), requests, drafted)
 
     @staticmethod
     def draft_logits(logits, lookup=None, use_lookup=None) -> torch.Tensor:
@@ -113,10 +126,14 @@ class Chooser:
 
 
 class Greedy(Chooser):
-    def draft(self, logits, requests, positions, lookup=None, use_lookup=None):
+    def __init__(self, processors=None):
+        self.processors = processors
+
+    def draft(self, logits, requests, positions, lookup=None, use_lookup=None, prefix=None):
         """A restricted head's SubsetLogits are read as they are: the argmax and the softmax over the
         subset equal those over the whole vocabulary (every other logit is so negative that its exp is
         0; the first maximum is the smallest token id either way, the subset being sorted)."""
+        logits = self.processed(logits, requests, prefix)
         if isinstance(logits, SubsetLogits):
             token, confidence = logits.token_ids[logits.values.argmax(dim=-1)], mode_probability(logits.values)
         else:
@@ -137,10 +154,12 @@ class Greedy(Chooser):
         return token, None, torch.where(hit, torch.ones_like(uniform), uniform)
 
     def verify(self, logits, drafted, q, limit, requests, first_position):
-        choice = logits.argmax(dim=-1)
+        choice = self.processed(logits, requests, drafted).argmax(dim=-1)
         return choice, greedy_accept(drafted, choice, limit)
 
     def verify_flat(self, logits, layout, drafted, q, limit, requests, first_position):
+        if self.processors is not None and self.processors.changes_logits:
+            return self.verify(logits[layout], drafted, q, limit, requests, first_position)
         choice = logits.argmax(dim=-1)[layout]  # argmax first: no [R, W, V] copy
         return choice, greedy_accept(drafted, choice, limit)
 
@@ -148,48 +167,54 @@ class Greedy(Chooser):
 class Sampled(Chooser):
     """Common parts of the two sampling modes: processors and per-request seeds."""
 
-    def __init__(self, temperature: float, top_k, top_p, seeds: torch.Tensor, ids: torch.Tensor | None = None):
+    def __init__(self, temperature: float, top_k, top_p, seeds: torch.Tensor, ids: torch.Tensor | None = None,
+                 processors=None):
         self.temperature, self.top_k, self.top_p, self.seeds = temperature, top_k, top_p, seeds
         self.ids = ids if ids is not None else torch.arange(len(seeds), device=seeds.device)
+        self.processors = processors
 
     def keys(self, requests):
         """(seed, request id) used for keying: the caller's global ids (data-parallel shards)."""
         return self.seeds[requests], self.ids[requests]
 
-    def log_probs(self, logits):
-        return processed_log_probs(logits, self.temperature, self.top_k, self.top_p)
+    def log_probs(self, logits, requests, drafted=None):
+        """The requests' processed log-probabilities of logits [R, V] or [R, W, V] (query j after
+        drafted[:, :j])."""
+        logits = self.processed(logits, requests, drafted)
+        min_p = None
+        if self.processors is not None:
+            min_p = self.processors.min_p[requests].view(-1, *[1] * (logits.dim() - 1))
+        return processed_log_probs(logits, self.temperature, self.top_k, self.top_p, min_p)
 
 
 class Coupled(Sampled):
 
-    def _perturbed(self, logits, requests, positions):
-        noise = rng.gumbel(*self.keys(requests), positions, logits.shape[-1])
-        return self.log_probs(logits) + noise
-
-    def draft(self, logits, requests, positions, lookup=None, use_lookup=None):
-        log_q = self.log_probs(self.draft_logits(logits, lookup, use_lookup))
+    def draft(self, logits, requests, positions, lookup=None, use_lookup=None, prefix=None):
+        log_q = self.log_probs(self.draft_logits(logits, lookup, use_lookup), requests, prefix)
         noise = rng.gumbel(*self.keys(requests), positions, log_q.shape[-1])
         return (log_q + noise).argmax(dim=-1), None, mode_probability(log_q)
 
     def verify(self, logits, drafted, q, limit, requests, first_position):
         width = logits.shape[1]
         positions = first_position[:, None] + torch.arange(width, device=logits.device)[None, :]
-        choice = self._perturbed(logits, requests[:, None].expand(-1, width), positions).argmax(dim=-1)
+        expanded = requests[:, None].expand(-1, width)
+        noise = rng.gumbel(*self.keys(expanded), positions, logits.shape[-1])
+        choice = (self.log_probs(logits, requests, drafted) + noise).argmax(dim=-1)
         return choice, greedy_accept(drafted, choice, limit)
 
 
 class Rejection(Sampled):
     needs_q = True
 
-    def draft(self, logits, requests, positions, lookup=None, use_lookup=None):
-        q = self.log_probs(self.draft_logits(logits, lookup, use_lookup)).exp()
+    def draft(self, logits, requests, positions, lookup=None, use_lookup=None, prefix=None):
+        q = self.log_probs(self.draft_logits(logits, lookup, use_lookup), requests, prefix).exp()
         u = rng.uniform(*self.keys(requests), positions, "draft")
         return sample_from(q, u), q, q.max(dim=-1).values
 
     def verify(self, logits, drafted, q, limit, requests, first_position):
         rows, width = logits.shape[0], logits.shape[1]
         k = width - 1
-        p = self.log_probs(logits).exp()  # [R, k+1, V]
+        p = self.log_probs(logits, requests, drafted).exp()  # [R, k+1, V]
         positions = first_position[:, None] + torch.arange(width, device=logits.device)[None, :]
         seeds, reqs = (x[:, None].expand(-1, width) for x in self.keys(requests))
         if k:
@@ -217,13 +242,14 @@ class Rejection(Sampled):
 
 
 def make_chooser(temperature: float, top_k, top_p, seed, sampling: str, num_requests: int, device,
-                 request_ids=None):
+                 request_ids=None, processors=None):
     """request_ids: the ids that key the randomness (default 0..n-1; a data-parallel shard passes
-    the global ids of its requests so that outputs do not depend on the sharding)."""
+    the global ids of its requests so that outputs do not depend on the sharding); processors: a
+    fast.processors.LogitProcessors (None: none)."""
     if not temperature:
-        return Greedy()
+        return Greedy(processors)
     seeds = seed if isinstance(seed, (list, tuple)) else [seed] * num_requests
     seeds = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=device)
     ids = None if request_ids is None else torch.tensor([int(r) for r in request_ids], device=device)
     cls = {"rejection": Rejection, "coupled": Coupled}[sampling]
-    return cls(float(temperature), top_k, top_p, seeds, ids)
+    return cls(float(temperature), top_k, top_p, seeds, ids, processors)

@@ -159,12 +159,14 @@ def check_goodput_lengths(proposed, confidence, limit, worth, calibration, bar: 
     return out
 
 
-def check_round_commit(drafted, choice, limit, accepted, committed, remaining, eos_ids) -> list[Violation]:
+def check_round_commit(drafted, choice, limit, accepted, committed, remaining, eos_ids,
+                       stopped=None) -> list[Violation]:
     """I5 and I6 for one greedy round, row by row.
 
     I5: accepted = length of the agreeing prefix of drafts and target choices (at most limit);
     the committed tokens are the target's choices choice[:n]. I6: n = min(accepted + 1, remaining,
-    first EOS among the new tokens + 1).
+    first EOS among the new tokens + 1), or, in a row a stop string ended (stopped [R] bools), at
+    least one token fewer.
     """
     drafted, choice = as_numpy(drafted), as_numpy(choice)
     eos = set(int(e) for e in eos_ids)
@@ -184,6 +186,8 @@ def check_round_commit(drafted, choice, limit, accepted, committed, remaining, e
                 want = want[: j + 1]
                 break
         got = list(committed[i])
+        if stopped is not None and stopped[i] and 0 < len(got) <= len(want):
+            want = want[:len(got)]  # where the stop string ends is judged against reference.processors
         if got != want:
             j = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             inv = "I6" if len(got) > len(want) and got[: len(want)] == want else "I5"  # kept past the stop

@@ -12,12 +12,14 @@ from .fast.backend import for_device, held_whole
 from .fast.kernels import compiled_blocks, prepacked_linears
 from .fast.policy import PolicySettings, make_policy
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
+from .fast.processors import LogitProcessors
 from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, abilities_of, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
 from .invariants import TraceWriter
 from .tensor_parallel import clock_agreement
-from .options import (STRATEGIES, GenerateOptions, check_arrivals, check_choice, check_options, check_token_id,
-                      check_token_ids, resolve)
+from .options import (STRATEGIES, GenerateOptions, check_arrivals, check_choice, check_logit_bias, check_options,
+                      check_stop, check_token_id, check_token_ids, per_prompt, resolve)
+from .reference.processors import Processors, stop_text
 
 BROKEN = ("bsp-like", "dsd-like")  # deliberately wrong: generate_variant (bench, tests) only
 
@@ -26,6 +28,12 @@ def decode_text(tokens, tokenizer) -> str:
     """What a reader sees: special tokens (the chat template's end token, EOS) left out; the token
     ids keep everything."""
     return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def result_text(tokens, reason: str, tokenizer, stop=()) -> str:
+    """decode_text of a result; a request that ended at a stop string ends before it."""
+    text = decode_text(tokens, tokenizer)
+    return stop_text(text, check_stop(stop)) if reason == "stop" else text
 
 
 def encode_text(text: str, tokenizer, chat_template: bool | None) -> list[int]:
@@ -38,6 +46,27 @@ def encode_text(text: str, tokenizer, chat_template: bool | None) -> list[int]:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def make_processors(opts: GenerateOptions, ids, max_new, eos_ids, vocab: int, device, tokenizer):
+    """fast.processors.LogitProcessors for the requests' processor settings, None when none is set."""
+    count = len(ids)
+    biases = [check_logit_bias(bias or {}) for bias in per_prompt("logit_bias", opts.logit_bias, count)]
+    for token in (t for bias in biases for t in bias):
+        check_token_id("logit_bias key", token, vocab)
+    stop = check_stop(opts.stop)
+    if stop and tokenizer is None:
+        raise ValueError("stop strings are judged on the decoded text: pass tokenizer= with stop=")
+    settings = [Processors(repetition_penalty=float(r), presence_penalty=float(p), frequency_penalty=float(f),
+                           logit_bias=bias, min_tokens=int(m), min_p=float(mp), stop=stop)
+                for r, p, f, bias, m, mp in zip(*(per_prompt(name, getattr(opts, name), count) for name in (
+                    "repetition_penalty", "presence_penalty", "frequency_penalty")), biases,
+                                                *(per_prompt(name, getattr(opts, name), count)
+                                                  for name in ("min_tokens", "min_p")))]
+    if not any(s.changes_logits or s.min_p or s.stop for s in settings):
+        return None
+    decode = (lambda tokens: decode_text(tokens, tokenizer)) if stop else None
+    return LogitProcessors(settings, ids, max_new, eos_ids, device, decode)
 
 
 def _prompt_ids(prompts, tokenizer, vocab: int, chat_template: bool | None = None) -> list[list[int]]:
@@ -174,6 +203,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     threshold = float(opts.draft_threshold) if k else 0.0
     floor = min(float(opts.draft_floor), threshold)
     policy = opts.policy or ("threshold" if temperature and sampling == "rejection" else "goodput")
+    processors = make_processors(opts, ids, max_new, eos_ids, vocab, device, tokenizer)
     if policy == "fixed":
         threshold = floor = 0.0
     if trace is not None:
@@ -184,7 +214,8 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
                         pad_id=int(pad_id), check=check_invariants, trace=writer,
                         chooser=make_chooser(temperature, top_k, top_p, seed, sampling, len(ids), device,
-                                             request_ids),
+                                             request_ids, processors),
+                        processors=processors,
                         policy=make_policy(PolicySettings(policy, k, threshold, floor)),
                         backend=backend)
     target_runner = ModelRunner(target, lean=opts.lean and not opts.compile)
@@ -231,7 +262,8 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     reasons = [results[r][1] for r in range(len(ids))]
     if writer is not None:
         writer.results(sequences, reasons)
-    texts = [decode_text(s, tokenizer) for s in sequences] if tokenizer is not None else None
+    texts = [result_text(s, reason, tokenizer, opts.stop) for s, reason in zip(sequences, reasons)] \
+        if tokenizer is not None else None
     per_request = [dict(rounds=results[r][2], accepted_length=len(results[r][0]) / max(results[r][2], 1),
                         latency=results[r][3] - (arrivals[r] if arrivals is not None else 0.0))
                    for r in range(len(ids))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import shlex
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .options import (DTYPES, SAMPLING_MODES, STRATEGIES, GenerateOptions, OptionError, check_arrival_rate,
-                      check_seed, check_temperature, check_top_p, defaults)
+                      check_logit_bias, check_real, check_seed, check_temperature, check_top_p, defaults)
 from .demo import DEMO_DRAFT
 from .prepare import encode_prompts, load, read_prompt_file, run_generate
 
@@ -86,6 +87,23 @@ def checked(check, kind: str):
     return parse
 
 
+def logit_bias(text: str) -> dict:
+    """--logit-bias: ID:BIAS pairs separated by commas, or a JSON object {"ID": BIAS}."""
+    try:
+        if text.lstrip().startswith("{"):
+            pairs = json.loads(text).items()
+        else:
+            pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        bias = {int(token): float(value) for token, value in pairs}
+    except (ValueError, TypeError, AttributeError):
+        raise argparse.ArgumentTypeError(f"expected ID:BIAS pairs separated by commas (or a JSON object), "
+                                         f"got {text!r}") from None
+    try:
+        return check_logit_bias(bias)
+    except OptionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def output_path(text: str) -> str:
     """An argparse type for --out and --trace: a path, never the empty string (which would mean stdout)."""
     if not text.strip():
@@ -126,7 +144,7 @@ def cmd_generate(args) -> int:
     import glob
 
     from . import distributed
-    from .api import decode_text
+    from .api import result_text
     from .io import InputError, OutputLock, ResultWriter, check_not_replacing, check_output_path, read_done
     from .resume import check_kept, check_same_run, run_record, write_record
     try:  # everything about the files before any model is loaded
@@ -177,7 +195,7 @@ def cmd_generate(args) -> int:
             if args.resume and (previous or Path(f"{args.out}.settings.json").exists()):
                 check_same_run(args.out, record_now)
                 check_kept(previous, vocab=vocab_size(target), eos_ids=eos_ids_of(target),
-                           budget=opts.max_new_tokens, where=args.out)
+                           budget=opts.max_new_tokens, where=args.out, stops=bool(opts.stop))
             elif rank == 0:
                 write_record(args.out, record_now)
         except InputError as e:
@@ -202,7 +220,7 @@ def cmd_generate(args) -> int:
 
     def record(request, tokens, reason, rounds):
         ident = order[mine[request]]
-        rec = dict(id=ident, text=decode_text(tokens, tokenizer), token_ids=tokens,
+        rec = dict(id=ident, text=result_text(tokens, reason, tokenizer, opts.stop), token_ids=tokens,
                    num_tokens=len(tokens), stop_reason=reason, rounds=rounds,
                    accepted_length=round(len(tokens) / max(rounds, 1), 4))
         if writer is not None:
@@ -215,7 +233,7 @@ def cmd_generate(args) -> int:
         if mine:
             result = run_generate(target, draft, [ids[i] for i in mine], opts, on_result=record,
                                   progress=(rank == 0), trace=args.trace if size == 1 else None,
-                                  request_ids=mine)
+                                  request_ids=mine, tokenizer=tokenizer)
     except OSError as e:  # the trace's disk filled or vanished; results flushed so far stay in --out
         raise UserError(f"cannot write {e.filename or args.trace}: {e.strerror}; finished results are kept in "
                         f"{args.out or 'stdout'} (run again with --resume)") from None
@@ -668,7 +686,15 @@ FLAGS = {
     "device": dict(),
     "max_wait": dict(type=non_negative_int),
     "pool_window": dict(type=positive_int),
+    "repetition_penalty": dict(type=positive_float),
+    "presence_penalty": dict(type=checked(lambda v: check_real("presence_penalty", v, -2.0, 2.0), "float")),
+    "frequency_penalty": dict(type=checked(lambda v: check_real("frequency_penalty", v, -2.0, 2.0), "float")),
+    "logit_bias": dict(type=logit_bias, metavar="ID:BIAS,..."),
+    "min_tokens": dict(type=non_negative_int),
+    "min_p": dict(type=probability),
+    "stop": dict(action="append", metavar="TEXT"),
 }
+PROCESSORS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "min_p", "stop")
 
 
 def add_options(p, names, command=None):
@@ -745,6 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the part files of an interrupted torchrun run on it)")
     p.add_argument("--trace", type=output_path, help="write a round trace (JSONL) for check-trace")
     p.add_argument("--jsonl-stdout", action="store_true", help="without --out, print JSON lines instead of text")
+    add_options(p, PROCESSORS)
     add_tensor_parallel(p)
     p.set_defaults(run=cmd_generate)
 

@@ -46,6 +46,19 @@ class GenerateOptions:
     temperature: float = _option(0.0, "0: greedy decoding; above 0: sample")
     top_k: int | None = _option(None, "sample among the k most likely tokens (None: all)")
     top_p: float | None = _option(None, "sample from the smallest set of probability at least p (None: all)")
+    repetition_penalty: float = _option(1.0, "divide a positive logit (multiply a negative one) by this for every token "
+                                             "in the prompt or the new tokens (transformers' definition; 1: off)")
+    presence_penalty: float = _option(0.0, "subtract this from the logit of every token already generated (OpenAI's "
+                                           "definition, in [-2, 2])")
+    frequency_penalty: float = _option(0.0, "subtract this times its count from the logit of every token already "
+                                            "generated (OpenAI's definition, in [-2, 2])")
+    logit_bias: dict | None = _option(None, "{token id: bias} added to the logits (OpenAI's definition, bias in "
+                                            "[-100, 100]; the API also takes one per prompt)")
+    min_tokens: int = _option(0, "EOS ids are excluded until this many new tokens exist")
+    min_p: float = _option(0.0, "when sampling, keep only tokens of probability at least min_p times the most "
+                                "likely one (applied after top-k and top-p; 0: off)")
+    stop: tuple = _option((), "stop strings: a request ends at the token whose text completes one (needs a "
+                              "tokenizer); the returned text ends before it")
     sampling: str = _option("rejection", "rejection (the target's distribution exactly) or coupled (the same "
                                          "tokens as target-only sampling with the same seed)")
     seed: int = _option(0, "sampling seed, an integer in [0, 2^63) (the API also takes one per prompt)")
@@ -187,6 +200,7 @@ def check_options(o: GenerateOptions, num_prompts: int, floor_chosen: bool = Tru
     if o.top_p is not None:
         check_top_p(o.top_p)
     check_seed(o.seed, num_prompts)
+    check_processors(o, num_prompts)
     check_int("max_wait", o.max_wait, 0)
     if o.pool_window is not None:
         check_int("pool_window", o.pool_window)
@@ -194,6 +208,57 @@ def check_options(o: GenerateOptions, num_prompts: int, floor_chosen: bool = Tru
         if not isinstance(getattr(o, name), bool):
             raise OptionError(f"{name} must be True or False, got {getattr(o, name)!r}")
     return o
+
+
+PENALTY_LIMIT, BIAS_LIMIT = 2.0, 100.0  # OpenAI's ranges of presence/frequency penalties and logit biases
+
+
+def per_prompt(name: str, value, count: int | None) -> list:
+    """A value for every prompt: one given for all, or a list of one per prompt."""
+    if isinstance(value, (list, tuple)):
+        if count is not None and len(value) != count:
+            raise OptionError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * (count or 1)
+
+
+def check_logit_bias(value) -> dict:
+    """{token id: finite bias in [-100, 100]}; the ids are judged against the vocabulary by the API."""
+    if not isinstance(value, dict):
+        raise OptionError(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}")
+    for token, bias in value.items():
+        if not _is_int(token) or token < 0:
+            raise OptionError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        check_real(f"logit_bias[{token}]", bias, -BIAS_LIMIT, BIAS_LIMIT)
+    return {int(t): float(b) for t, b in value.items()}
+
+
+def check_stop(value) -> tuple:
+    """Stop strings: a list of non-empty strings (one string is one stop string)."""
+    stops = (value,) if isinstance(value, str) else value
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise OptionError(f"stop must be a list of non-empty strings, got {value!r}")
+    return tuple(stops)
+
+
+def check_processors(o: GenerateOptions, num_prompts: int | None) -> None:
+    """The processor fields: numbers for all prompts or one per prompt, each in its range."""
+    for r in per_prompt("repetition_penalty", o.repetition_penalty, num_prompts):
+        check_real("repetition_penalty", r, 0.0, low_open=True)
+    for name in ("presence_penalty", "frequency_penalty"):
+        for v in per_prompt(name, getattr(o, name), num_prompts):
+            check_real(name, v, -PENALTY_LIMIT, PENALTY_LIMIT)
+    for v in per_prompt("min_p", o.min_p, num_prompts):
+        check_probability("min_p", v)
+    budgets = per_prompt("max_new_tokens", o.max_new_tokens, num_prompts)
+    for v, budget in zip(per_prompt("min_tokens", o.min_tokens, num_prompts), budgets):
+        check_int("min_tokens", v, 0)
+        if v > budget:
+            raise OptionError(f"min_tokens ({v}) must be at most max_new_tokens ({budget})")
+    if o.logit_bias is not None:
+        for bias in per_prompt("logit_bias", o.logit_bias, num_prompts):
+            check_logit_bias(bias)
+    check_stop(o.stop)
 
 
 def check_arrival_rate(value) -> float:

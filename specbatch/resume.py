@@ -48,6 +48,7 @@ def run_record(*, target_spec: str, draft_spec: str | None, target, draft, promp
     from . import __version__
     decisive = {name: value for name, value in dataclasses.asdict(options).items() if name not in RESUMABLE}
     decisive["device"] = str(decisive["device"]).split(":")[0]  # the device type: cuda:0 and cuda:1 are alike
+    decisive = json.loads(json.dumps(decisive))  # as the file holds it: lists, string keys
     record = dict(format=RECORD_FORMAT, specbatch=__version__, target=target_spec,
                   target_identity=_identity(target), draft=draft_spec or "none", draft_identity=_identity(draft),
                   prompts_sha256=hashlib.sha256(Path(prompts_file).read_bytes()).hexdigest(),
@@ -88,10 +89,11 @@ def check_same_run(out, record: dict) -> None:
                          + f"); rerun with the same settings, or start afresh without --resume (or with another --out)")
 
 
-def check_kept(previous: dict, *, vocab: int, eos_ids, budget: int, where) -> None:
+def check_kept(previous: dict, *, vocab: int, eos_ids, budget: int, where, stops: bool = False) -> None:
     """Every kept result plausible for this run: token ids in [0, vocab), num_tokens equal to the
     count, and the stop reason consistent with the budget (length: exactly the budget; eos: ends
-    in an EOS id within it). InputError naming the result otherwise."""
+    in an EOS id within it; stop, where the run has stop strings: within it). InputError naming
+    the result otherwise."""
     eos = set(int(e) for e in eos_ids)
     for ident, rec in previous.items():
         tokens = rec["token_ids"]
@@ -101,7 +103,8 @@ def check_kept(previous: dict, *, vocab: int, eos_ids, budget: int, where) -> No
                              "remove the line to generate it again")
         reason = rec.get("stop_reason")
         ok = ((reason == "length" and len(tokens) == budget)
-              or (reason == "eos" and 0 < len(tokens) <= budget and tokens[-1] in eos))
+              or (reason == "eos" and 0 < len(tokens) <= budget and tokens[-1] in eos)
+              or (reason == "stop" and stops and 0 < len(tokens) <= budget))
         if not ok or rec.get("num_tokens", len(tokens)) != len(tokens):
             raise InputError(f"{where}: result {ident!r} ({len(tokens)} tokens, stop_reason {reason!r}) does not fit "
                              f"this run (at most {budget} new tokens, EOS ids {sorted(eos)}); remove the line to "

@@ -107,14 +107,21 @@ WORDS[0], WORDS[1], WORDS[EOS] = "<unk>", "<s>", "</s>"
 CHAT = "{% for m in messages %}<s> {{ m['content'] }} </s>{% endfor %}{% if add_generation_prompt %} <s>{% endif %}"
 
 
-def save_folder(path, model):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def word_tokenizer():
+    """The tiny models' tokenizer: token i is the word w{i} (0, 1 and EOS are <unk>, <s>, </s>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                   pad_token="</s>")
     tok.chat_template = CHAT
+    return tok
+
+
+def save_folder(path, model):
+    tok = word_tokenizer()
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)

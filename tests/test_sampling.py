@@ -225,7 +225,7 @@ def test_chi_square_rejects_a_threshold_on_the_drawn_token(monkeypatch):
     """The plausible bug: judging the confidence of the token actually drawn (q(d) >= threshold)
     makes proposing depend on the draw, which biases the committed distribution."""
     def draft(self, logits, requests, positions):
-        q = self.log_probs(logits).exp()
+        q = self.log_probs(logits, requests).exp()
         u = sampling.rng.uniform(*self.keys(requests), positions, "draft")
         token = sampling.sample_from(q, u)
         return token, q, q.gather(-1, token[:, None])[:, 0]

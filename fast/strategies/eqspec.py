@@ -18,6 +18,7 @@ from ...invariants import check_alignment
 from ...reference.pool import FixedBatches
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, draft_round, dynamic_layer_kv,
                       observe_round, raise_violations, rect_queries, record_round)
+from ..processors import STOP, STOP_REASONS
 from ..verify import commit_counts, draft_pending_after
 
 
@@ -101,7 +102,9 @@ class RectBatch:
                                                   dev(p), requests, content)
             n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
             accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
-        finished = (hit_eos == 1) | (n == remaining)
+            if s.processors is not None:  # stop strings, and the history penalties count
+                n, hit_eos = s.processors.finish_round(requests, choice, n, hit_eos)
+        finished = (hit_eos > 0) | (n == remaining)
         record_round(s, self.clock, self.request, proposals, accepted, ids.numel())
 
         with self.clock("time_align"):
@@ -111,7 +114,7 @@ class RectBatch:
                                                       tokens=self.tokens, pad_len=width - self.content_len,
                                                       content_len=self.content_len),
                           rect_queries(pos, mask, p) if s.check or s.trace else None, proposals, choice, accepted, n,
-                          remaining, finished)
+                          remaining, finished, hit_eos == STOP)
             self._update(extended, ~finished, n, accepted, proposals.model_steps)
         self.stats.add_round(p, accepted, n)
         if s.check:
@@ -126,7 +129,7 @@ class RectBatch:
         host = extended[torch.as_tensor(rows, device=extended.device)].cpu().numpy()
         start = self.width - self.content_len[rows] + self.prompt_len[rows]
         end = self.width + n[rows]
-        return [(int(self.request[r]), host[j, start[j]:end[j]].tolist(), "eos" if hit_eos[r] else "length",
+        return [(int(self.request[r]), host[j, start[j]:end[j]].tolist(), STOP_REASONS[int(hit_eos[r])],
                  int(self.rounds[r])) for j, r in enumerate(rows)]
 
     @property

@@ -26,6 +26,7 @@ from ..prefill import prefill_into
 from ..proposer import proposer_for
 from ..slot_cache import SlotCache
 from ..slot_forward import slot_forward, storage_dtype
+from ..processors import STOP, STOP_REASONS
 from ..verify import commit_counts
 
 
@@ -162,6 +163,8 @@ class RaggedEngine:
             queries, verified = (rect_queries(pos, mask, p) if s.check or s.trace else None), tokens.numel()
         n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
         accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
+        if s.processors is not None:  # stop strings, and the history penalties count
+            n, hit_eos = s.processors.finish_round(requests, choice, n, hit_eos)
         return choice, accepted, n, hit_eos, queries, verified
 
     def commit(self, rows, content, remaining, proposals: Proposals, choice, accepted, n, hit_eos, queries, found,
@@ -172,11 +175,11 @@ class RaggedEngine:
         rows_dev = torch.as_tensor(rows, device=s.device)
         columns = torch.as_tensor(content[:, None] + np.arange(proposals.width)[None, :], device=s.device)
         self.tokens[rows_dev[:, None], columns] = choice
-        finished = (hit_eos == 1) | (n == remaining)
+        finished = (hit_eos > 0) | (n == remaining)
         observe_round(s, found, round_index, dict(
             requests=self.request[rows], prompt_len=self.prompt_len[rows], tokens=self._contents(rows, content),
             pad_len=np.zeros(len(rows)), content_len=content), queries, proposals, choice, accepted, n,
-            remaining, finished)
+            remaining, finished, hit_eos == STOP)
         self.content_len[rows] = content + n
         self.proposer.update(rows, n, accepted, proposals)
         self._release(rows[finished], hit_eos[finished], on_done)
@@ -224,7 +227,7 @@ class RaggedEngine:
         host = self.tokens[torch.as_tensor(rows, device=self.settings.device)].cpu().numpy()
         for j, slot in enumerate(rows):
             on_done(int(self.request[slot]), host[j, self.prompt_len[slot]:self.content_len[slot]].tolist(),
-                    "eos" if hit_eos[j] else "length", int(self.rounds[slot]))
+                    STOP_REASONS[int(hit_eos[j])], int(self.rounds[slot]))
             self.queue.release(int(slot))
             self.request[slot] = -1
 

@@ -26,6 +26,7 @@ RESUME = ["tests/test_resume_rules.py"]
 CONFORM = ["tests/test_conform.py"]
 NOTHING_LOST = ["tests/test_nothing_lost.py"]
 GUARDS = ["tests/test_checker_guards.py"]
+PROCESSORS = ["tests/test_processors.py"]
 
 MUTANTS = [
     # ---- masks
@@ -91,7 +92,7 @@ MUTANTS = [
     ("eos-one-past-the-commit", "eos", "fast/verify.py",
      "hit = first < n", "hit = first <= n", ENGINE),
     ("eos-ignored-in-ragged", "eos", "fast/strategies/ragged.py",
-     "finished = (hit_eos == 1) | (n == remaining)", "finished = n == remaining", RAGGED),
+     "finished = (hit_eos > 0) | (n == remaining)", "finished = n == remaining", RAGGED),
     # ---- budgets
     # (Not listed: commit_counts without its min(., remaining). Every engine clamps a row's proposals
     # to remaining - 1 first, so accepted + 1 <= remaining already; the harness found it equivalent.)
@@ -384,4 +385,31 @@ MUTANTS = [
     ("tv-margin-widened", "sampled checker", "specbatch/sampled.py",
      "return math.sqrt(math.log(2 / delta) / (2 * n)) if n else 1.0",
      "return math.sqrt(math.log(4 / delta) / (2 * n)) if n else 1.0", GUARDS),
+    # ---- processors and stop strings (the public bug classes of issue 52)
+    ("penalties-ignore-the-drafts", "processors", "fast/processors.py",
+     "counts, seen = self._counts(requests, drafted, width, vocab)",
+     "counts, seen = self._counts(requests, None, width, vocab)", PROCESSORS),
+    ("penalties-count-the-query-token", "processors", "fast/processors.py",
+     "torch.arange(width, device=self.device) + offset).double()",
+     "torch.arange(width, device=self.device) + offset + 1).double()", PROCESSORS),
+    ("repetition-ignores-the-prompt", "processors", "fast/processors.py",
+     "return counts, (counts > 0) | in_prompt[:, None]", "return counts, counts > 0", PROCESSORS),
+    ("min-tokens-off-by-one", "processors", "fast/processors.py",
+     "held = generated < self.min_tokens[requests][:, None]", "held = generated <= self.min_tokens[requests][:, None]",
+     PROCESSORS),
+    ("min-tokens-per-round", "processors", "fast/processors.py",
+     "generated = self.generated[requests][:, None] + offset + torch.arange(width, device=self.device)[None, :]",
+     "generated = self.generated[requests][:, None] + offset + 0 * torch.arange(width, device=self.device)[None, :]",
+     PROCESSORS),
+    ("row-zero-penalty-for-all-rows", "processors", "fast/processors.py",
+     "r = self.repetition[requests][:, None, None]", "r = self.repetition[requests[:1]][:, None, None]", PROCESSORS),
+    ("processors-write-the-callers-logits", "processors", "fast/processors.py",
+     ".to(torch.float64, copy=True)", ".double()", PROCESSORS),
+    ("min-p-ignored", "processors", "fast/sampling.py",
+     "min_p = self.processors.min_p[requests].view(-1, *[1] * (logits.dim() - 1))", "min_p = None", PROCESSORS),
+    ("stop-keeps-the-tokens-after", "stop strings", "fast/processors.py",
+     "n[i], hit[i] = cut - len(before), STOP", "hit[i] = STOP", PROCESSORS),
+    ("stop-window-one-round", "stop strings", "fast/processors.py",
+     "cut = stop_cut(before + host[i][:n[i]], self.decode, stops, len(before))",
+     "cut = stop_cut(host[i][:n[i]], self.decode, stops)", PROCESSORS),
 ]
