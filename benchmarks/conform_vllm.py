@@ -6,6 +6,10 @@ and write outputs that `specbatch conform check` reads.
         --out vllm_outputs.jsonl [--ngram | --draft DRAFT_DIR] [--k 4] [--max-num-seqs 4] [--order shuffled]
     specbatch conform check vectors/ vllm_outputs.jsonl
 
+Processor vectors (benchmarks/conform_processors.py writes OUT/vectors.json): --vectors OUT/vectors.json,
+every request at once in file order with its repetition, presence and frequency penalties, logit
+bias and min_tokens; judged by `python benchmarks/conform_processors.py --out OUT --check OUTPUTS --name NAME`.
+
 Sampled vectors (`conform make --sampled`): each setting's rows are submitted at once, in file order,
 each with its own temperature, top-k, top-p and seed (`specbatch conform check vectors/ vllm_outputs.jsonl
 --target MODEL` judges the distribution). Greedy vectors:
@@ -43,10 +47,18 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    manifest = json.load(open(os.path.join(a.vectors, "manifest.json")))
+    processors = a.vectors.endswith(".json")  # processor vectors: one file (benchmarks/conform_processors.py)
+    if processors:
+        data = json.load(open(a.vectors))
+        manifest, requests = data["manifest"], data["requests"]
+        manifest["suggested"] = dict(orders=dict(input=list(range(len(requests)))))
+        a.order = "input"
+    else:
+        manifest = json.load(open(os.path.join(a.vectors, "manifest.json")))
+        requests = [json.loads(line) for line in open(os.path.join(
+            a.vectors, "rows.jsonl" if manifest.get("format") == "specbatch-sampled" else "requests.jsonl"))
+            if line.strip()]
     sampled = manifest.get("format") == "specbatch-sampled"
-    requests = [json.loads(line) for line in open(os.path.join(a.vectors, "rows.jsonl" if sampled else "requests.jsonl"))
-                if line.strip()]
     if sampled and a.samples:
         requests = [r for r in requests if r["sample"] < a.samples]
     if sampled and a.settings:
@@ -63,6 +75,11 @@ def main():
     chosen = [requests[i] for i in order]
 
     def params(r):
+        if processors:  # each request's penalties, logit bias and min_tokens (vLLM's names are the same)
+            settings = dict(r["settings"])
+            if "logit_bias" in settings:
+                settings["logit_bias"] = {int(t): float(v) for t, v in settings["logit_bias"].items()}
+            return SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], stop_token_ids=eos, **settings)
         if not sampled:
             return SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], stop_token_ids=eos)
         extra = dict(top_k=r["top_k"]) if r["top_k"] else {}

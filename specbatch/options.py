@@ -257,7 +257,8 @@ def check_processors(o: GenerateOptions, num_prompts: int | None) -> None:
             raise OptionError(f"min_tokens ({v}) must be at most max_new_tokens ({budget})")
     if o.logit_bias is not None:
         for bias in per_prompt("logit_bias", o.logit_bias, num_prompts):
-            check_logit_bias(bias)
+            if bias is not None:  # None in a list: none for that prompt
+                check_logit_bias(bias)
     check_stop(o.stop)
 
 

@@ -14,6 +14,10 @@ below; wrap any other engine the same way.
 - `find_counterexample(generate_fn, target)`: a Hypothesis search over batch compositions, orders
   and sizes against target-only greedy decoding at batch 1, shrunk to a minimal failing case
   (fewest requests, shortest prompts), printed as a ready-to-paste pytest test.
+- `check_processor_engine(generate_fn, vectors)`: the processor vectors (specbatch.processor_vectors:
+  penalties, logit bias and min_tokens at draft positions, mixed settings in one batch) through an
+  engine that also takes one settings dict per request; `broken_processor_engine` makes the
+  public bug classes (PROCESSOR_BUGS) it must flag.
 - The pytest plugin (registered as the `specbatch` entry point of `pytest11`) gives the fixtures
   `specbatch_vectors` (a factory: vectors for a model, cached per session), `specbatch_check_engine`
   and `specbatch_check_sampling` (sampled outputs against the target's distribution).
@@ -490,3 +494,135 @@ def _plugin():
 
 specbatch_vectors, specbatch_check_engine, specbatch_check_sampling = (
     _plugin() if __import__("importlib").util.find_spec("pytest") else (None, None, None))
+
+
+# ---------------------------------------------------------------- processors (specbatch.processor_vectors)
+
+def specbatch_processor_engine(target, draft, strategy: str = "ragged", **options):
+    """One of specbatch's strategies as an engine of the processor protocol (settings per request)."""
+    import specbatch
+    from .options import defaults
+    from .processor_vectors import SETTING_KEYS
+
+    def generate_fn(prompts, max_new_tokens, eos_token_ids, batch_size, settings):
+        keys = [key for key in SETTING_KEYS if any(key in s for s in settings)]
+        per_prompt = {key: [s.get(key, getattr(defaults(), key)) for s in settings] for key in keys}
+        return specbatch.generate(target, draft, prompts, max_new_tokens=list(max_new_tokens), batch_size=batch_size,
+                                  strategy=strategy, eos_token_id=list(eos_token_ids), **per_prompt,
+                                  **options).sequences
+    return generate_fn
+
+
+PROCESSOR_BUGS = {
+    "bonus-only": "processors applied to each row's last verify query only, never at draft positions "
+                  "(vllm-project/vllm issue 42744)",
+    "per-step": "penalties and min_tokens fed one token per round instead of every accepted token "
+                "(sgl-project/sglang PR 33643)",
+    "drafts-ignored": "penalties at every verify query count the committed tokens only, not the drafts before it",
+    "min-tokens-off-by-one": "EOS held back until min_tokens - 1 new tokens (vllm-project/vllm PR 41768's class)",
+    "row-zero-settings": "the first request's settings applied to every row (NVIDIA/TensorRT-LLM PR 12588's class)",
+}
+
+
+def broken_processor_engine(target, draft, bug: str, strategy: str = "ragged", **options):
+    """specbatch with one named processor bug (PROCESSOR_BUGS): the processor checker must flag it."""
+    import torch
+
+    from . import api
+    from .fast.processors import LogitProcessors
+    if bug not in PROCESSOR_BUGS:
+        raise ValueError(f"unknown processor bug {bug!r}; expected one of {', '.join(PROCESSOR_BUGS)}")
+
+    class Broken(LogitProcessors):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            if bug == "min-tokens-off-by-one":
+                self.min_tokens = (self.min_tokens - 1).clamp(min=0)
+            if bug == "row-zero-settings":
+                for name in ("repetition", "presence", "frequency", "min_tokens"):
+                    getattr(self, name)[:] = getattr(self, name)[0].clone()
+                self.penalized = True
+
+        def process(self, logits, requests, drafted=None):
+            if bug == "bonus-only" and logits.dim() == 3:
+                out = logits.to(torch.float64, copy=True)
+                out[:, -1] = super().process(logits, requests, drafted)[:, -1]
+                return out
+            return super().process(logits, requests, None if bug == "drafts-ignored" else drafted)
+
+        def finish_round(self, requests, choice, n, hit):
+            if bug != "per-step":
+                return super().finish_round(requests, choice, n, hit)
+            last = choice.gather(1, torch.as_tensor(n - 1, device=choice.device)[:, None])
+            super().finish_round(requests, last, n * 0 + 1, hit)
+            return n, hit
+
+    engine = specbatch_processor_engine(target, draft, strategy, **options)
+
+    def generate_fn(*args):
+        real, api.LogitProcessors = api.LogitProcessors, Broken
+        try:
+            return engine(*args)
+        finally:
+            api.LogitProcessors = real
+    return generate_fn
+
+
+def hf_assisted_processor_engine(target, draft=None, num_assistant_tokens: int = 4):
+    """transformers' assisted generation with the processors transformers has: repetition_penalty,
+    min_new_tokens, sequence_bias (logit_bias); presence and frequency penalties it has not
+    (SUPPORTS lists what it can express)."""
+    import torch
+
+    def generate_fn(prompts, max_new_tokens, eos_token_ids, batch_size, settings):
+        out = []
+        device = next(target.parameters()).device
+        for prompt, budget, s in zip(prompts, max_new_tokens, settings):
+            kw = dict(assistant_model=draft) if draft is not None else dict(prompt_lookup_num_tokens=num_assistant_tokens)
+            if draft is not None:
+                draft.generation_config.num_assistant_tokens = num_assistant_tokens
+                draft.generation_config.num_assistant_tokens_schedule = "constant"
+                draft.generation_config.assistant_confidence_threshold = 0.0
+            if s.get("logit_bias"):
+                kw["sequence_bias"] = {(int(t),): float(b) for t, b in s["logit_bias"].items()}
+            ids = torch.tensor([prompt], device=device)
+            with torch.no_grad():
+                gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=False,
+                                      eos_token_id=list(eos_token_ids) or None,
+                                      pad_token_id=(list(eos_token_ids) or [0])[0],
+                                      repetition_penalty=s.get("repetition_penalty", 1.0),
+                                      min_new_tokens=s.get("min_tokens", 0), **kw)
+            out.append(cut_at_stop(gen[0, len(prompt):].tolist(), budget, eos_token_ids))
+        return out
+    generate_fn.SUPPORTS = ("repetition_penalty", "logit_bias", "min_tokens")
+    return generate_fn
+
+
+def check_processor_engine(generate_fn, vectors, batch_sizes=(1, 4, None), ulps=None) -> list:
+    """Run the processor vectors (specbatch.processor_vectors; or a model to make them for) at each
+    batch size (None: every request in one batch); ConformanceError naming every algorithmic
+    divergence. Requests whose settings the engine cannot express (generate_fn.SUPPORTS, when it has
+    one) are left out and listed in each report's warnings. Returns the reports."""
+    from .processor_vectors import ProcessorVectors, check_processor_outputs, make_processor_vectors
+    vectors = vectors if isinstance(vectors, ProcessorVectors) else make_processor_vectors(vectors)
+    supports = set(getattr(generate_fn, "SUPPORTS", ()) or ())
+    keep = [r for r in vectors.requests if not supports or set(r["settings"]) <= supports]
+    subset = ProcessorVectors(vectors.manifest, keep, {r["id"]: vectors.reference[r["id"]] for r in keep})
+    left_out = [r["id"] for r in vectors.requests if r not in keep]
+    reports, failures = [], []
+    for batch in batch_sizes:
+        size = batch or len(keep)
+        eos = list(vectors.manifest["eos_token_ids"])
+        got = call_engine(lambda p, m, e, b: generate_fn(p, m, e, b, [dict(r["settings"]) for r in keep]),
+                          [r["token_ids"] for r in keep], [r["max_new_tokens"] for r in keep], eos, size, None)
+        report = check_processor_outputs(subset, [dict(id=r["id"], token_ids=_as_list(t)) for r, t in zip(keep, got)],
+                                         ulps)
+        if left_out:
+            report.warnings.append(f"{len(left_out)} request(s) use settings the engine cannot express, left out: "
+                                   f"{', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}")
+        reports.append(report)
+        if not report.conformant:
+            failures += [f"batch {size}: {line}" for line in report.lines()]
+    if failures:
+        raise ConformanceError(f"{len(failures)} problem(s):\n" + "\n".join(failures[:20]))
+    return reports

@@ -27,6 +27,7 @@ CONFORM = ["tests/test_conform.py"]
 NOTHING_LOST = ["tests/test_nothing_lost.py"]
 GUARDS = ["tests/test_checker_guards.py"]
 PROCESSORS = ["tests/test_processors.py"]
+PROCESSOR_VECTORS = ["tests/test_processor_vectors.py"]
 
 MUTANTS = [
     # ---- masks
@@ -412,4 +413,8 @@ MUTANTS = [
     ("stop-window-one-round", "stop strings", "fast/processors.py",
      "cut = stop_cut(before + host[i][:n[i]], self.decode, stops, len(before))",
      "cut = stop_cut(host[i][:n[i]], self.decode, stops)", PROCESSORS),
+    ("processor-vectors-any-position", "processor vectors", "specbatch/processor_vectors.py",
+     "if first is not None and 1 <= first < ROUND:", "if first is not None:", PROCESSOR_VECTORS),
+    ("processor-checker-forgives-missing", "processor vectors", "specbatch/processor_vectors.py",
+     "            report.missing.append(r[\"id\"])\n", "", PROCESSOR_VECTORS),
 ]

@@ -1,0 +1,199 @@
+"""Greedy conformance vectors with logit processors: penalties, logit bias and min_tokens at draft
+positions, in one mixed batch.
+
+Penalties, biases and min_tokens keep greedy decoding deterministic, so an engine with speculation
+on must return exactly target-only greedy decoding with the same processors (reference.processors,
+whose order docs/api.md#processors states). Every request is chosen so that its processors matter
+where speculation can get them wrong: the processed answer differs from the unprocessed one at a
+draft position of the first round (new token 1 .. ROUND - 1), or an EOS that a logit bias makes
+likely is held back by min_tokens. All requests go to the engine together, so rows with different
+settings, and rows that cannot draft (a budget of 1), share batches. An engine is
+
+    generate_fn(prompts, max_new_tokens, eos_token_ids, batch_size, settings) -> list[list[int]]
+
+with settings one dict per request (keys SETTING_KEYS; an absent key is the default). The reference
+keeps the processed top logits along each answer, so a divergence is judged a floating-point tie or
+algorithmic as in specbatch.conform.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .conform import ROUND, TOP, Report, VectorError, _default_ulps, judge, model_identity
+from .reference.processors import Processors, process_logits, processed_greedy_decode
+
+FORMAT, VERSION = "specbatch-processors", 1
+SETTING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
+CLASSES = ("repetition-in-round", "frequency-in-round", "presence-in-round", "bias-in-round", "min-tokens-eos", "mixed")
+
+
+@dataclass
+class ProcessorVectors:
+    manifest: dict
+    requests: list  # id, class, token_ids, max_new_tokens, settings
+    reference: dict  # id -> dict(token_ids, top: per answer position [[token, processed logit], ...])
+
+    @property
+    def prompts(self):
+        return [r["token_ids"] for r in self.requests]
+
+
+def processors_of(settings: dict) -> Processors:
+    return Processors(**{key: (dict(value) if key == "logit_bias" else value) for key, value in settings.items()})
+
+
+def _logits_fn(target):
+    """ids -> the target's logits [T, V] (float64) at every position; a call that extends the previous
+    call's ids by one token runs that token alone on the kept cache, as greedy decoding does."""
+    import torch
+    from transformers import DynamicCache
+
+    from .fast.models import cache_argument
+    keyword, last = cache_argument(target), {}
+
+    def logits_of(ids):
+        ids = [int(t) for t in ids]
+        device = next(target.parameters()).device
+        extends = last.get("ids") is not None and len(ids) == len(last["ids"]) + 1 and ids[:-1] == last["ids"]
+        cache = last["cache"] if extends else DynamicCache()
+        with torch.inference_mode():
+            out = target(torch.tensor([ids[-1:] if extends else ids], device=device), use_cache=True, **{keyword: cache})
+        logits = out.logits[0].double().cpu().numpy()
+        logits = np.concatenate([last["logits"], logits]) if extends else logits
+        last.update(ids=ids, cache=cache, logits=logits)
+        return logits
+    return logits_of
+
+
+def _processed_top(logits_of, prompt, answer, proc: Processors, eos) -> list:
+    """[[token, processed logit] x TOP] at every answer position, from one forward."""
+    if not answer:
+        return []
+    logits = logits_of(list(prompt) + list(answer[:-1]))[len(prompt) - 1:]
+    top = []
+    for j, row in enumerate(logits):
+        x = process_logits(row, prompt, answer[:j], proc, eos)
+        order = np.argsort(-x, kind="stable")[:TOP]
+        top.append([[int(t), float(x[t])] for t in order])
+    return top
+
+
+def _settings_for(cls: str, rng) -> dict:
+    if cls == "repetition-in-round":
+        return dict(repetition_penalty=float(rng.choice([1.3, 1.6, 2.0])))
+    if cls == "frequency-in-round":
+        return dict(frequency_penalty=float(rng.choice([0.5, 1.0, 2.0])))
+    if cls == "presence-in-round":
+        return dict(presence_penalty=float(rng.choice([0.5, 1.0, 2.0])))
+    return dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)
+
+
+def _flip_at(logits_of, prompt, answer, j: int) -> dict:
+    """A logit bias that makes the runner-up the argmax at new token j (and a penalty on another token)."""
+    x = logits_of(list(prompt) + list(answer[:j]))[-1]
+    top, second = np.argsort(-x, kind="stable")[:2]
+    return {int(second): float(min(x[top] - x[second] + 0.5, 100.0)), int(np.argsort(x)[0]): -3.0}
+
+
+def make_processor_vectors(target, *, seed: int = 0, candidates: int = 16, per_class: int = 3,
+                           max_new_tokens: int = 12) -> ProcessorVectors:
+    """Vectors for `target` (in memory): per_class requests of every class, each picked among
+    `candidates` random prompts where its processors change the answer inside the first round."""
+    from .fast.models import eos_ids_of
+    rng = np.random.default_rng(seed)
+    identity = model_identity(target)
+    vocab, eos = identity["vocab_size"], [int(e) for e in eos_ids_of(target)]
+    logits_of = _logits_fn(target)
+    prompts = [rng.integers(0, vocab, int(rng.integers(3, 20))).tolist() for _ in range(candidates)]
+    plain = [processed_greedy_decode(logits_of, p, max_new_tokens, Processors(), eos) for p in prompts]
+    requests: list[dict] = []
+
+    def add(cls, prompt, budget, settings):
+        requests.append(dict(id=f"{cls}-{sum(r['class'] == cls for r in requests)}", **{"class": cls},
+                             token_ids=list(prompt), max_new_tokens=budget, settings=settings))
+
+    for cls in CLASSES[:4]:
+        found = 0
+        for prompt, answer in zip(prompts, plain):
+            if cls == "bias-in-round" and len(answer) < 3:
+                continue
+            settings = (dict(logit_bias=_flip_at(logits_of, prompt, answer, 2)) if cls == "bias-in-round"
+                        else _settings_for(cls, rng))
+            got = processed_greedy_decode(logits_of, prompt, max_new_tokens, processors_of(settings), eos)
+            first = next((j for j, (a, b) in enumerate(zip(got, answer)) if a != b), None)
+            if first is not None and 1 <= first < ROUND:  # a draft position of the first round
+                add(cls, prompt, max_new_tokens, settings)
+                found += 1
+                if found == per_class:
+                    break
+    if eos:  # a bias that makes EOS the argmax at new token 1, held back by min_tokens until token 3
+        for prompt in prompts[:per_class]:
+            x = logits_of(prompt + processed_greedy_decode(logits_of, prompt, 1, Processors(), eos))[-1]
+            bias = float(min(x.max() - x[eos[0]] + 1.0, 100.0))
+            add("min-tokens-eos", prompt, max_new_tokens, dict(logit_bias={eos[0]: bias}, min_tokens=3))
+    mixed = [dict(), dict(repetition_penalty=1.5), dict(frequency_penalty=1.0, min_tokens=2),
+             dict(presence_penalty=1.5), dict(repetition_penalty=1.8, presence_penalty=0.5)]
+    for i, settings in enumerate(mixed * 2):  # every setting beside the others, with and without a budget of 1
+        one = i % 3 == 2 and "min_tokens" not in settings
+        add("mixed", prompts[i % len(prompts)], 1 if one else max_new_tokens, settings)
+    reference = {}
+    for r in requests:
+        proc = processors_of(r["settings"])
+        answer = processed_greedy_decode(logits_of, r["token_ids"], r["max_new_tokens"], proc, eos)
+        reference[r["id"]] = dict(id=r["id"], token_ids=answer,
+                                  top=_processed_top(logits_of, r["token_ids"], answer, proc, eos))
+    manifest = dict(format=FORMAT, version=VERSION, **identity, eos_token_ids=eos, num_requests=len(requests),
+                    classes=list(CLASSES), seed=seed, tie_ulps_default=_default_ulps(identity["dtype"]),
+                    order="logit_bias, min_tokens, repetition_penalty, presence and frequency penalties "
+                          "(docs/api.md#processors)")
+    return ProcessorVectors(manifest, requests, reference)
+
+
+def save_processor_vectors(vectors: ProcessorVectors, path) -> None:
+    """One JSON file: manifest, requests (logit_bias keys as strings), reference."""
+    import json
+    Path(path).write_text(json.dumps(dict(manifest=vectors.manifest, requests=vectors.requests,
+                                          reference=vectors.reference)) + "\n")
+
+
+def load_processor_vectors(path) -> ProcessorVectors:
+    import json
+    data = json.loads(Path(path).read_text())
+    if data.get("manifest", {}).get("format") != FORMAT:
+        raise VectorError(f"{path}: not processor vectors (format {FORMAT!r})")
+    for r in data["requests"]:
+        if "logit_bias" in r["settings"]:
+            r["settings"]["logit_bias"] = {int(t): float(b) for t, b in r["settings"]["logit_bias"].items()}
+    return ProcessorVectors(data["manifest"], data["requests"], data["reference"])
+
+
+def run_processor_vectors(generate_fn, vectors: ProcessorVectors, batch_size: int) -> list[dict]:
+    """The engine's outputs for every request, submitted together in file order."""
+    requests = vectors.requests
+    got = generate_fn([r["token_ids"] for r in requests], [r["max_new_tokens"] for r in requests],
+                      list(vectors.manifest["eos_token_ids"]), batch_size, [dict(r["settings"]) for r in requests])
+    if not isinstance(got, list) or len(got) != len(requests):
+        raise ValueError(f"the engine returned {type(got).__name__} of {len(got) if hasattr(got, '__len__') else '?'} "
+                         f"answers for {len(requests)} requests")
+    return [dict(id=r["id"], token_ids=[int(t) for t in tokens]) for r, tokens in zip(requests, got)]
+
+
+def check_processor_outputs(vectors: ProcessorVectors, outputs, ulps: float | None = None) -> Report:
+    """Each output against target-only greedy decoding with its request's processors."""
+    dtype = vectors.manifest["dtype"]
+    ulps = vectors.manifest["tie_ulps_default"] if ulps is None else ulps
+    by_id = {str(o["id"]): o for o in outputs}
+    report = Report()
+    report.extra = sorted(i for i in by_id if i not in vectors.reference)
+    for r in vectors.requests:
+        base = dict(id=r["id"], **{"class": r["class"]})
+        if r["id"] not in by_id:
+            report.missing.append(r["id"])
+            report.requests.append(dict(base, verdict="missing"))
+        else:
+            report.requests.append(dict(base, **judge(vectors.reference[r["id"]], list(by_id[r["id"]]["token_ids"]),
+                                                      dtype, ulps)))
+    return report

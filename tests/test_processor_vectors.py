@@ -1,0 +1,85 @@
+"""The processor vectors (specbatch.processor_vectors): they hold every class they claim, specbatch's
+strategies pass them with speculation on, and every broken engine of specbatch.testing is flagged."""
+import pytest
+
+from hf_models import tiny
+from specbatch import testing
+from specbatch.conform import ROUND
+from specbatch.processor_vectors import CLASSES, check_processor_outputs, make_processor_vectors, processors_of
+from specbatch.reference.processors import Processors, processed_greedy_decode
+
+
+@pytest.fixture(scope="module")
+def vectors():
+    return make_processor_vectors(tiny("llama"))
+
+
+def test_every_class_is_present_and_does_what_it_claims(vectors):
+    from specbatch.processor_vectors import _logits_fn
+    target = tiny("llama")
+    logits_of, eos = _logits_fn(target), vectors.manifest["eos_token_ids"]
+    assert {r["class"] for r in vectors.requests} == set(CLASSES)
+    for r in vectors.requests:
+        want = vectors.reference[r["id"]]["token_ids"]
+        assert want == processed_greedy_decode(logits_of, r["token_ids"], r["max_new_tokens"],
+                                               processors_of(r["settings"]), eos)
+        plain = processed_greedy_decode(logits_of, r["token_ids"], r["max_new_tokens"], Processors(), eos)
+        if r["class"].endswith("-in-round"):  # the processors change a draft position of the first round
+            first = next(j for j, (a, b) in enumerate(zip(want, plain)) if a != b)
+            assert 1 <= first < ROUND
+        if r["class"] == "min-tokens-eos":  # EOS held back to token min_tokens, then emitted
+            unheld = processed_greedy_decode(logits_of, r["token_ids"], r["max_new_tokens"],
+                                             processors_of(dict(r["settings"], min_tokens=0)), eos)
+            assert len(unheld) < r["settings"]["min_tokens"] <= len(want) - 1 and want[-1] in eos
+    mixed = [r for r in vectors.requests if r["class"] == "mixed"]
+    assert len({str(r["settings"]) for r in mixed}) >= 4 and any(r["max_new_tokens"] == 1 for r in mixed)
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "ragged"])
+def test_specbatch_passes_with_speculation_on(vectors, strategy):
+    target = tiny("llama")
+    engine = testing.specbatch_processor_engine(target, target, strategy, num_draft_tokens=4, policy="fixed")
+    for report in testing.check_processor_engine(engine, vectors):
+        assert report.conformant and all(r["verdict"] == "exact" for r in report.requests)
+
+
+@pytest.mark.parametrize("bug", sorted(testing.PROCESSOR_BUGS))
+def test_every_broken_processor_engine_is_flagged(vectors, bug):
+    target = tiny("llama")
+    engine = testing.broken_processor_engine(target, target, bug, num_draft_tokens=4, policy="fixed")
+    with pytest.raises(testing.ConformanceError, match="ALGORITHMIC"):
+        testing.check_processor_engine(engine, vectors)
+
+
+def test_transformers_assisted_generation_on_what_it_can_express(vectors):
+    target = tiny("llama")
+    engine = testing.hf_assisted_processor_engine(target, tiny("llama", layers=1, seed=5))
+    reports = testing.check_processor_engine(engine, vectors, batch_sizes=(1,))
+    assert reports[0].conformant and reports[0].warnings  # presence and frequency penalties are left out
+    judged = {r["class"] for r in reports[0].requests}
+    assert {"repetition-in-round", "min-tokens-eos"} <= judged
+    assert not {"frequency-in-round", "presence-in-round"} & judged
+
+
+def test_the_checker_names_missing_extra_and_wrong_outputs(vectors):
+    rows = [dict(id=r["id"], token_ids=vectors.reference[r["id"]]["token_ids"]) for r in vectors.requests]
+    assert check_processor_outputs(vectors, rows).conformant
+    first = vectors.requests[0]["id"]
+    wrong = [dict(row, token_ids=row["token_ids"] + [0]) if row["id"] == first else row for row in rows]
+    report = check_processor_outputs(vectors, wrong)
+    assert not report.conformant and report.errors[0]["id"] == first
+    report = check_processor_outputs(vectors, rows[1:] + [dict(id="nope", token_ids=[1])])
+    assert report.missing == [first] and report.extra == ["nope"]
+
+
+def test_saved_vectors_read_back_the_same(vectors, tmp_path):
+    from specbatch.conform import VectorError
+    from specbatch.processor_vectors import load_processor_vectors, save_processor_vectors
+    save_processor_vectors(vectors, tmp_path / "v.json")
+    again = load_processor_vectors(tmp_path / "v.json")
+    assert again.requests == vectors.requests and again.manifest == vectors.manifest
+    assert [again.reference[r["id"]]["token_ids"] for r in again.requests] == \
+        [vectors.reference[r["id"]]["token_ids"] for r in vectors.requests]
+    (tmp_path / "other.json").write_text('{"manifest": {"format": "specbatch-conformance"}}')
+    with pytest.raises(VectorError, match="not processor vectors"):
+        load_processor_vectors(tmp_path / "other.json")
