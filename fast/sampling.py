@@ -243,13 +243,18 @@ class Rejection(Sampled):
 
 def make_chooser(temperature: float, top_k, top_p, seed, sampling: str, num_requests: int, device,
                  request_ids=None, processors=None):
-    """request_ids: the ids that key the randomness (default 0..n-1; a data-parallel shard passes
-    the global ids of its requests so that outputs do not depend on the sharding); processors: a
-    fast.processors.LogitProcessors (None: none)."""
+    """seed: one for all requests, keyed with request_ids (default 0..n-1; a data-parallel shard
+    passes the global ids of its requests so that outputs do not depend on the sharding), or one per
+    request, which alone keys that request's randomness; processors: a fast.processors.LogitProcessors
+    (None: none)."""
     if not temperature:
         return Greedy(processors)
-    seeds = seed if isinstance(seed, (list, tuple)) else [seed] * num_requests
+    per_request = isinstance(seed, (list, tuple))
+    seeds = seed if per_request else [seed] * num_requests
     seeds = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=device)
-    ids = None if request_ids is None else torch.tensor([int(r) for r in request_ids], device=device)
+    if per_request:  # a request's own seed alone keys its stream: the same tokens alone or in any batch and order
+        ids = torch.zeros_like(seeds)
+    else:  # one seed for all: keyed by (seed, request id)
+        ids = None if request_ids is None else torch.tensor([int(r) for r in request_ids], device=device)
     cls = {"rejection": Rejection, "coupled": Coupled}[sampling]
     return cls(float(temperature), top_k, top_p, seeds, ids, processors)

@@ -626,3 +626,32 @@ def check_processor_engine(generate_fn, vectors, batch_sizes=(1, 4, None), ulps=
     if failures:
         raise ConformanceError(f"{len(failures)} problem(s):\n" + "\n".join(failures[:20]))
     return reports
+
+
+# ---------------------------------------------------------------- seeded reproducibility
+
+def check_seeded_reproducibility(sample_fn, prompts, *, max_new_tokens: int = 8, eos_token_ids=(),
+                                 temperature: float = 0.8, top_k=None, top_p=None, seeds=None, batch_size=None,
+                                 speculation_off=None) -> dict:
+    """Seeded determinism, a verdict of its own (not every engine promises it): each request, with
+    its own seed, must give the same tokens alone, in one batch with the others, in that batch in
+    reverse order, and, when `speculation_off` (the same engine, speculation off) is given, without
+    speculation. sample_fn follows the sampled protocol (run_sampled). Returns dict(reproducible,
+    differences: [(request, what, tokens, other tokens)])."""
+    seeds = list(seeds) if seeds is not None else [1000 + i for i in range(len(prompts))]
+    size = batch_size or len(prompts)
+    budgets, eos = [max_new_tokens] * len(prompts), list(eos_token_ids)
+
+    def run(fn, order, batch):
+        got = fn([prompts[i] for i in order], [budgets[i] for i in order], eos, batch, temperature=temperature,
+                 top_k=top_k, top_p=top_p, seeds=[seeds[i] for i in order])
+        return {i: _as_list(t) for i, t in zip(order, got)}
+
+    together = run(sample_fn, list(range(len(prompts))), size)
+    runs = {"alone": {i: run(sample_fn, [i], 1)[i] for i in range(len(prompts))},
+            "reversed batch": run(sample_fn, list(range(len(prompts)))[::-1], size)}
+    if speculation_off is not None:
+        runs["speculation off"] = run(speculation_off, list(range(len(prompts))), size)
+    differences = [(i, what, together[i], other[i]) for what, other in runs.items() for i in range(len(prompts))
+                   if other[i] != together[i]]
+    return dict(reproducible=not differences, differences=differences)
