@@ -16,7 +16,7 @@ from pathlib import Path
 import specbatch
 from specbatch import testing
 from specbatch.machine import describe_machine
-from specbatch.processor_vectors import make_processor_vectors, save_processor_vectors
+from specbatch.processor_vectors import load_processor_vectors, make_processor_vectors, save_processor_vectors
 
 
 def write(out: Path, record: dict) -> None:
@@ -49,6 +49,9 @@ def main() -> int:
     ap.add_argument("--check", metavar="OUTPUTS", help="judge another engine's outputs (JSONL: id, token_ids) on "
                     "OUT/vectors.json and add its verdict to OUT/verdicts.json under --name")
     ap.add_argument("--name", help="with --check: the engine's name in the verdicts")
+    ap.add_argument("--reuse-vectors", action="store_true", help="use OUT/vectors.json and keep OUT/verdicts.json's "
+                    "other verdicts")
+    ap.add_argument("--engines", help="only the engines whose names contain one of these (comma-separated)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,19 +59,27 @@ def main() -> int:
         return check_other(out, a.check, a.name or a.check)
     target, draft, _ = specbatch.load("smollm2", "smollm2-draft")
     start = time.time()
-    vectors = make_processor_vectors(target)
-    save_processor_vectors(vectors, out / "vectors.json")
-    print(f"{len(vectors.requests)} requests in {time.time() - start:.0f} s", file=sys.stderr)
+    if a.reuse_vectors and (out / "vectors.json").exists():
+        vectors = load_processor_vectors(out / "vectors.json")
+    else:
+        vectors = make_processor_vectors(target)
+        save_processor_vectors(vectors, out / "vectors.json")
+        print(f"{len(vectors.requests)} requests in {time.time() - start:.0f} s", file=sys.stderr)
     engines = {
         "specbatch ragged, smollm2-draft": testing.specbatch_processor_engine(target, draft, "ragged",
                                                                              num_draft_tokens=a.k),
         "specbatch eqspec, smollm2-draft": testing.specbatch_processor_engine(target, draft, "eqspec",
                                                                              num_draft_tokens=a.k),
         "transformers assisted generation, smollm2-draft": testing.hf_assisted_processor_engine(
-            target, draft, num_assistant_tokens=a.k),
+            target, getattr(draft, "model", draft), num_assistant_tokens=a.k),  # the Hugging Face model itself
     }
-    verdicts = []
+    old = json.loads((out / "verdicts.json").read_text()) if a.reuse_vectors and (out / "verdicts.json").exists() \
+        else dict(verdicts=[])
+    verdicts = [v for v in old["verdicts"] if v["engine"] not in engines or (a.engines and not any(
+        e in v["engine"] for e in a.engines.split(",")))]
     for name, engine in engines.items():
+        if a.engines and not any(e in name for e in a.engines.split(",")):
+            continue
         try:
             reports = testing.check_processor_engine(engine, vectors, batch_sizes=(1, None))
             verdict, detail, table = "conformant", reports[-1].warnings, reports[-1].table()

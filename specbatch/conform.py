@@ -388,7 +388,8 @@ class Report:
 
     def table(self) -> str:
         lines = ["| class | requests | exact | floating-point tie | algorithmic | missing |", "|---|---|---|---|---|---|"]
-        for cls in sorted({r["class"] for r in self.requests}, key=lambda c: CLASSES.index(c) if c in CLASSES else 99):
+        for cls in sorted({r["class"] for r in self.requests}, key=lambda c: (CLASSES.index(c) if c in CLASSES
+                                                                               else len(CLASSES), c)):
             rows = [r for r in self.requests if r["class"] == cls]
             count = lambda v: sum(r["verdict"] == v for r in rows)  # noqa: E731
             lines.append(f"| {cls} | {len(rows)} | {count('exact')} | {count('tie')} | {count('algorithmic')} | "

@@ -3,6 +3,7 @@ strategies pass them with speculation on, and every broken engine of specbatch.t
 import pytest
 
 from hf_models import tiny
+from profiles import only_full
 from specbatch import testing
 from specbatch.conform import ROUND
 from specbatch.processor_vectors import CLASSES, check_processor_outputs, make_processor_vectors, processors_of
@@ -35,7 +36,7 @@ def test_every_class_is_present_and_does_what_it_claims(vectors):
     assert len({str(r["settings"]) for r in mixed}) >= 4 and any(r["max_new_tokens"] == 1 for r in mixed)
 
 
-@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "ragged"])
+@pytest.mark.parametrize("strategy", only_full("ragged", "eqspec", "exspec"))
 def test_specbatch_passes_with_speculation_on(vectors, strategy):
     target = tiny("llama")
     engine = testing.specbatch_processor_engine(target, target, strategy, num_draft_tokens=4, policy="fixed")

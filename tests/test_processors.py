@@ -10,6 +10,7 @@ import torch
 
 import specbatch
 from hf_models import EOS, FIXED_K, VOCAB, save_folder, tiny, word_tokenizer
+from profiles import only_full
 from specbatch.cli import main
 from specbatch.fast.drafts import ScriptedDraft
 from specbatch.fast.processors import LogitProcessors
@@ -129,7 +130,7 @@ def test_the_cases_exercise_what_they_claim():
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("draft", ["none", "self", "scripted"])
+@pytest.mark.parametrize("draft", only_full("scripted", "self", "none"))
 def test_greedy_with_processors_equals_target_only_decoding_with_them(strategy, draft):
     target = tiny("llama")
     chosen = {"none": None, "self": target, "scripted": ScriptedDraft(target, deviate_hashed(7, 0.35))}[draft]
@@ -157,7 +158,7 @@ def test_per_prompt_settings_reach_their_own_rows(strategy):
     assert result.sequences == want
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", only_full("ragged", "eqspec", "exspec"))
 def test_stop_strings_inside_an_accepted_block(strategy):
     """The self draft proposes 4 tokens and all are accepted (5 committed a round); stop strings
     complete in the middle of such a block, and across two rounds. Nothing past the completing
@@ -183,8 +184,10 @@ def test_stop_strings_inside_an_accepted_block(strategy):
             assert text == full and stop_cut(tokens, decode, stops) is None
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+@pytest.mark.parametrize("strategy,sampling", [("ragged", "coupled"), ("eqspec", "rejection"),
+                                               *[pytest.param(*c, marks=pytest.mark.full) for c in [
+                                                   ("ragged", "rejection"), ("eqspec", "coupled"),
+                                                   ("exspec", "coupled"), ("exspec", "rejection")]]])
 def test_sampling_with_processors_keeps_each_mode_exact(strategy, sampling):
     """coupled: the same tokens with and without speculation; rejection: every verify query's target
     distribution is the reference's processed distribution (the sampler is exact for any p)."""
@@ -233,7 +236,8 @@ def test_rejection_verify_uses_the_processed_distribution_of_each_query():
     (dict(min_tokens=-1), "min_tokens must be"),
     (dict(logit_bias={3: 101.0}), "logit_bias[3] must be"),
     (dict(logit_bias={VOCAB: 1.0}), "logit_bias key must be an integer token id"),
-    (dict(logit_bias=[1, 2]), "logit_bias must be a dict"),
+    (dict(logit_bias=[1, 2, 3, 4, 5]), "logit_bias must be a dict"),
+    (dict(logit_bias=[{}, {}]), "logit_bias has 2 entries for 5 prompts"),
     (dict(stop=["ok", ""]), "stop must be a list of non-empty strings"),
     (dict(stop=["w3"]), "pass tokenizer= with stop="),
     (dict(repetition_penalty=[1.0, 1.2]), "repetition_penalty has 2 entries for 5 prompts"),

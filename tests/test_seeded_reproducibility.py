@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hf_models import EOS, tiny
+from profiles import only_full
 from specbatch import testing
 from specbatch.fast.drafts import ScriptedDraft
 from specbatch.reference import deviate_hashed
@@ -17,7 +18,7 @@ def kinds(report):
     return sorted({d[1] for d in report["differences"]})
 
 
-@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "ragged"])
+@pytest.mark.parametrize("strategy", only_full("ragged", "eqspec", "exspec"))
 def test_specbatch_coupled_is_reproducible_alone_in_a_batch_and_without_speculation(strategy):
     target = tiny("llama")
     draft = ScriptedDraft(target, deviate_hashed(7, 0.35))
