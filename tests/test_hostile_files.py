@@ -29,7 +29,7 @@ def exit_2_with(capsys, argv, message, warnings_ok=False):
     """The CLI exits with 2 and prints exactly one error line on stderr, which names the problem
     (warning lines before it allowed with warnings_ok)."""
     code = main(argv)
-    err = [x for x in capsys.readouterr().err.strip().splitlines() if "req/s" not in x and x.strip()
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if "req/s" not in x and "s/req" not in x and x.strip()
            and not (warnings_ok and x.startswith("warning: "))]
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert message in err[0], err[0]
