@@ -27,15 +27,21 @@ def write(out: Path, record: dict) -> None:
     (out / "verdicts.md").write_text("\n".join(lines))
 
 
-def check_other(out: Path, outputs: str, name: str) -> int:
-    from specbatch.processor_vectors import check_processor_outputs, load_processor_vectors
+def check_other(out: Path, outputs: str, name: str, without: str = "") -> int:
+    from specbatch.processor_vectors import ProcessorVectors, check_processor_outputs, load_processor_vectors
     vectors = load_processor_vectors(out / "vectors.json")
+    left_out = [r["id"] for r in vectors.requests if set(r["settings"]) & set(filter(None, without.split(",")))]
+    keep = [r for r in vectors.requests if r["id"] not in left_out]
+    vectors = ProcessorVectors(vectors.manifest, keep, {r["id"]: vectors.reference[r["id"]] for r in keep})
     rows = [json.loads(line) for line in Path(outputs).read_text().splitlines() if line.strip()]
     report = check_processor_outputs(vectors, rows)
+    if left_out:
+        report.warnings.append(f"{len(left_out)} request(s) with {without} left out (the engine refuses them here)")
     verdict = "conformant" if report.conformant else "rejected"
     record = json.loads((out / "verdicts.json").read_text())
     record["verdicts"] = [v for v in record["verdicts"] if v["engine"] != name] + [dict(
-        engine=name, verdict=verdict, detail=report.lines()[:6], table=report.table(), outputs=outputs)]
+        engine=name, verdict=verdict, detail=report.warnings + report.lines()[:6], table=report.table(),
+        outputs=outputs)]
     record["command"] += f"; then python {' '.join(sys.argv)}"
     write(out, record)
     print(f"{name}: {verdict}\n{report.table()}")
@@ -51,12 +57,14 @@ def main() -> int:
     ap.add_argument("--name", help="with --check: the engine's name in the verdicts")
     ap.add_argument("--reuse-vectors", action="store_true", help="use OUT/vectors.json and keep OUT/verdicts.json's "
                     "other verdicts")
+    ap.add_argument("--without", default="", help="with --check: requests with these settings were left out "
+                    "(comma-separated; conform_vllm.py --without)")
     ap.add_argument("--engines", help="only the engines whose names contain one of these (comma-separated)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.check:
-        return check_other(out, a.check, a.name or a.check)
+        return check_other(out, a.check, a.name or a.check, a.without)
     target, draft, _ = specbatch.load("smollm2", "smollm2-draft")
     start = time.time()
     if a.reuse_vectors and (out / "vectors.json").exists():

@@ -40,6 +40,8 @@ def main():
                     "(vLLM's CPU build refuses per-request seeds: 'CPU Generator does not use offset'); rows then "
                     "draw from the engine's own stream, seeded once with 0")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile warm-up)")
+    ap.add_argument("--without", default="", help="processor vectors: leave out the requests with these settings "
+                    "(comma-separated), which vLLM refuses in this mode (speculation: logit_bias)")
     ap.add_argument("--samples", type=int, help="sampled vectors: only the first N samples of each request")
     ap.add_argument("--settings", help="sampled vectors: only these settings (comma-separated names)")
     a = ap.parse_args()
@@ -50,7 +52,8 @@ def main():
     processors = a.vectors.endswith(".json")  # processor vectors: one file (benchmarks/conform_processors.py)
     if processors:
         data = json.load(open(a.vectors))
-        manifest, requests = data["manifest"], data["requests"]
+        manifest = data["manifest"]
+        requests = [r for r in data["requests"] if not set(r["settings"]) & set(filter(None, a.without.split(",")))]
         manifest["suggested"] = dict(orders=dict(input=list(range(len(requests)))))
         a.order = "input"
     else:
