@@ -365,6 +365,9 @@ def cmd_conform(args) -> int:
             return _conform_sample(args)
         if args.action == "run":
             return _conform_run(args)
+        from .processor_vectors import is_processor_vectors
+        if is_processor_vectors(args.vectors):
+            return _conform_check_processors(args)
         from .sampled import is_sampled
         if is_sampled(args.vectors):
             return _conform_check_sampled(args)
@@ -382,8 +385,52 @@ def _new_folder(path) -> Path:
     return out
 
 
+def _conform_make_processors(args) -> int:
+    from collections import Counter
+
+    from .processor_vectors import make_processor_vectors, save_processor_vectors
+    if args.sampled:
+        raise UserError("--processors and --sampled make different vectors; choose one")
+    out = Path(args.out)
+    if out.exists() or out.is_symlink():
+        raise UserError(f"--out {out} exists; processor vectors are written to a new file")
+    if not out.absolute().parent.is_dir():
+        raise UserError(f"--out {out}: folder {out.absolute().parent} does not exist")
+    opts, _ = options_from_args(args)
+    target, _, _ = load(args.target, dtype=opts.dtype, device=opts.device)
+    vectors = make_processor_vectors(target, seed=args.seed)
+    save_processor_vectors(vectors, out)
+    counts = Counter(r["class"] for r in vectors.requests)
+    print("| class | requests |\n|---|---|\n" + "\n".join(f"| {c} | {n} |" for c, n in counts.items()))
+    print(f"{len(vectors.requests)} requests in {out}; submit them together, each with its settings "
+          f"({vectors.manifest['order']})")
+    return 0
+
+
+def _conform_check_processors(args) -> int:
+    from .conform import read_outputs
+    from .processor_vectors import check_processor_outputs, load_processor_vectors, without
+    whole = load_processor_vectors(args.vectors)
+    vectors = without(whole, args.without)
+    left_out = {r["id"] for r in whole.requests} - set(vectors.reference)
+    rows, warnings = read_outputs(args.outputs)
+    rows = [r for r in rows if str(r["id"]) not in left_out]  # an engine may still have answered them
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    report = check_processor_outputs(vectors, rows, args.tie_ulps)
+    print(report.table())
+    for line in report.lines():
+        print(line)
+    verdict = "conformant" if report.conformant else "NOT conformant"
+    print(f"{verdict}: {sum(r['verdict'] == 'exact' for r in report.requests)} of {len(report.requests)} requests "
+          f"exact" + (f" ({args.without} left out)" if args.without else ""))
+    return 0 if report.conformant else 1
+
+
 def _conform_make(args) -> int:
     from .conform import make_vectors
+    if args.processors:
+        return _conform_make_processors(args)
     out = _new_folder(args.out)
     opts, _ = options_from_args(args)
     target, _, tokenizer = load(args.target, dtype=opts.dtype, device=opts.device)
@@ -837,6 +884,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, type=output_path, help="a new (or empty) folder")
     m.add_argument("--sampled", action="store_true", help="sampled vectors (settings of temperature, top-k and "
                    "top-p, many samples per request) instead of greedy ones")
+    m.add_argument("--processors", action="store_true", help="greedy processor vectors (penalties, logit bias and "
+                   "min_tokens per request) in one file --out FILE.json")
     m.add_argument("--samples", type=int_at_least(4, "positive"), default=512, help="--sampled: samples per "
                    "request, a multiple of 4 (default 512)")
     m.add_argument("--requests", type=positive_int, default=2, help="--sampled: requests per setting (default 2)")
@@ -866,6 +915,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "engine ran with (it names the slot pairs; default the manifest's)")
     c.add_argument("--allow-modified", action="store_true", help="check against vectors whose files differ from "
                    "the manifest's checksums (with a warning) instead of refusing them")
+    c.add_argument("--without", default="", help="processor vectors: leave out the requests with these settings "
+                   "(comma-separated), which the engine refuses (vLLM with speculation: logit_bias)")
     r = act.add_parser("run", help="send vectors (greedy or sampled) to a running inference server and write its "
                        "outputs for conform check")
     r.add_argument("vectors", help="folder written by conform make (greedy or --sampled)")

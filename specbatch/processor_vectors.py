@@ -160,14 +160,37 @@ def save_processor_vectors(vectors: ProcessorVectors, path) -> None:
 
 
 def load_processor_vectors(path) -> ProcessorVectors:
+    if _format_of(path) != FORMAT:
+        raise VectorError(f"{path}: not processor vectors (format {FORMAT!r})")
     import json
     data = json.loads(Path(path).read_text())
-    if data.get("manifest", {}).get("format") != FORMAT:
-        raise VectorError(f"{path}: not processor vectors (format {FORMAT!r})")
     for r in data["requests"]:
         if "logit_bias" in r["settings"]:
             r["settings"]["logit_bias"] = {int(t): float(b) for t, b in r["settings"]["logit_bias"].items()}
     return ProcessorVectors(data["manifest"], data["requests"], data["reference"])
+
+
+def is_processor_vectors(path) -> bool:
+    """Whether `path` is a file of processor vectors (save_processor_vectors)."""
+    return Path(path).is_file() and _format_of(path) == FORMAT
+
+
+def _format_of(path) -> str | None:
+    import json
+    try:
+        return json.loads(Path(path).read_text()).get("manifest", {}).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def without(vectors: ProcessorVectors, settings: str) -> ProcessorVectors:
+    """The vectors less the requests that use any of `settings` (comma-separated names)."""
+    names = set(filter(None, (settings or "").split(",")))
+    unknown = names - set(SETTING_KEYS)
+    if unknown:
+        raise VectorError(f"--without: unknown setting {sorted(unknown)[0]!r}; expected some of {', '.join(SETTING_KEYS)}")
+    keep = [r for r in vectors.requests if not set(r["settings"]) & names]
+    return ProcessorVectors(vectors.manifest, keep, {r["id"]: vectors.reference[r["id"]] for r in keep})
 
 
 def run_processor_vectors(generate_fn, vectors: ProcessorVectors, batch_size: int) -> list[dict]:

@@ -84,3 +84,35 @@ def test_saved_vectors_read_back_the_same(vectors, tmp_path):
     (tmp_path / "other.json").write_text('{"manifest": {"format": "specbatch-conformance"}}')
     with pytest.raises(VectorError, match="not processor vectors"):
         load_processor_vectors(tmp_path / "other.json")
+
+
+def test_conform_make_and_check_processor_vectors(folders, tmp_path, capsys):
+    """`conform make --processors` writes one file; `conform check` judges outputs against it (exit
+    0 conformant, 1 otherwise), and --without leaves out what an engine refuses."""
+    import json
+
+    from specbatch.cli import main
+    from specbatch.processor_vectors import load_processor_vectors
+    out = tmp_path / "pv.json"
+    assert main(["conform", "make", "--processors", "--target", folders["target"], "--dtype", "float64",
+                 "--out", str(out)]) == 0
+    assert "mixed" in capsys.readouterr().out
+    vectors = load_processor_vectors(out)
+    rows = [dict(id=r["id"], token_ids=vectors.reference[r["id"]]["token_ids"]) for r in vectors.requests]
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["conform", "check", str(out), str(good)]) == 0
+    biased = [r for r in vectors.requests if "logit_bias" in r["settings"]]
+    assert biased
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(dict(r, token_ids=r["token_ids"][:-1] if r["id"] == biased[0]["id"]
+                                           else r["token_ids"])) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["conform", "check", str(out), str(bad)]) == 1
+    assert "ALGORITHMIC" in capsys.readouterr().out
+    assert main(["conform", "check", str(out), str(bad), "--without", "logit_bias"]) == 0
+    capsys.readouterr()
+    assert main(["conform", "make", "--processors", "--target", folders["target"], "--out", str(out)]) == 2
+    assert main(["conform", "check", str(out), str(good), "--without", "temperature"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "exists" in err[0] and "unknown setting 'temperature'" in err[1]
