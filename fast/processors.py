@@ -36,8 +36,10 @@ class LogitProcessors:
         self.min_tokens = as_t([s.min_tokens for s in settings], torch.long)
         self.min_p = as_t([s.min_p for s in settings], torch.float64)
         self.eos = as_t(list(eos_ids), torch.long)
-        self.bias = {r: (as_t(list(s.logit_bias), torch.long), as_t(list(s.logit_bias.values()), torch.float64))
-                     for r, s in enumerate(settings) if s.logit_bias}
+        # every (request, token, bias) of every logit_bias, flat: applied to a round's rows in one index_put
+        biases = [(r, int(t), float(b)) for r, s in enumerate(settings) for t, b in s.logit_bias.items()]
+        self.bias_request, self.bias_token = (as_t([x[i] for x in biases], torch.long) for i in (0, 1))
+        self.bias_value = as_t([x[2] for x in biases], torch.float64)
         longest = max(len(p) for p in prompts)
         self.prompt = torch.zeros((n, longest), dtype=torch.long, device=device)
         for r, p in enumerate(prompts):
@@ -49,10 +51,7 @@ class LogitProcessors:
         self.penalized = bool((self.repetition != 1).any() or (self.presence != 0).any()
                               or (self.frequency != 0).any())
         self.stops = any(s.stop for s in settings)
-
-    @property
-    def changes_logits(self) -> bool:
-        return any(s.changes_logits for s in self.settings)
+        self.changes_logits = any(s.changes_logits for s in settings)  # else greedy and sampling skip process()
 
     def _present(self, tokens, valid, vocab: int):
         """Counts [R, V] of each row's tokens [R, L] where valid [R, L]."""
@@ -82,10 +81,11 @@ class LogitProcessors:
         rows, width, vocab = x.shape
         offset = 0 if drafted is None else drafted.shape[1] - (width - 1)  # drafts before query 0
         generated = self.generated[requests][:, None] + offset + torch.arange(width, device=self.device)[None, :]
-        for i, r in enumerate(requests.tolist()):
-            if r in self.bias:
-                tokens, values = self.bias[r]
-                x[i, :, tokens] += values
+        if len(self.bias_value):
+            row, entry = (requests[:, None] == self.bias_request[None, :]).nonzero(as_tuple=True)  # [B] pairs
+            query = torch.arange(width, device=self.device)[None, :].expand(len(row), -1)
+            x.index_put_((row[:, None].expand_as(query), query, self.bias_token[entry][:, None].expand_as(query)),
+                         self.bias_value[entry][:, None].expand_as(query), accumulate=True)
         if len(self.eos):
             held = generated < self.min_tokens[requests][:, None]  # [R, W]
             x[..., self.eos] = torch.where(held[..., None], float("-inf"), x[..., self.eos])

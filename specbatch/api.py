@@ -57,12 +57,12 @@ def make_processors(opts: GenerateOptions, ids, max_new, eos_ids, vocab: int, de
     stop = check_stop(opts.stop)
     if stop and tokenizer is None:
         raise ValueError("stop strings are judged on the decoded text: pass tokenizer= with stop=")
+    column = lambda name: per_prompt(name, getattr(opts, name), count)  # noqa: E731
     settings = [Processors(repetition_penalty=float(r), presence_penalty=float(p), frequency_penalty=float(f),
                            logit_bias=bias, min_tokens=int(m), min_p=float(mp), stop=stop)
-                for r, p, f, bias, m, mp in zip(*(per_prompt(name, getattr(opts, name), count) for name in (
-                    "repetition_penalty", "presence_penalty", "frequency_penalty")), biases,
-                                                *(per_prompt(name, getattr(opts, name), count)
-                                                  for name in ("min_tokens", "min_p")))]
+                for r, p, f, bias, m, mp in zip(column("repetition_penalty"), column("presence_penalty"),
+                                                column("frequency_penalty"), biases, column("min_tokens"),
+                                                column("min_p"))]
     if not any(s.changes_logits or s.min_p or s.stop for s in settings):
         return None
     decode = (lambda tokens: decode_text(tokens, tokenizer)) if stop else None
