@@ -59,8 +59,8 @@ class ThresholdRule:
         return self.limit > 0
 
     def step(self, j: int, confidence, active: np.ndarray):
-        """(proposes, goes_on) [R] at step j from the step's confidences (host float64, or None)."""
-        active = active & (j < self.limit)
+        """(proposes, goes_on) [R] at step j from the step's confidences (host float64, or None). A row
+        is active at step j only if it went on from step j - 1 (begin: limit > 0), so j < limit."""
         if not self.needs_confidence:
             return active, active & (j + 1 < self.limit)
         return active & (confidence >= self.floor), active & (confidence >= self.threshold) & (j + 1 < self.limit)
