@@ -5,7 +5,8 @@
 Engines (specbatch.sampling_engines) on the toy pair of specbatch.testing.toy_sampling_pair (a
 tiny two-token-context model and a noisy copy as its draft; logits offset to about 24, as in real
 models): exact target-only sampling and correct speculative sampling (the null), then each named
-bug. draft-bf16-logits is also run on a pair whose logits sit near 100 (bfloat16's step there is
+bug; the processor bugs (PROCESSOR_BUGS) and their own null runs on the processor vectors
+(sampled_vectors(processors=True)). draft-bf16-logits is also run on a pair whose logits sit near 100 (bfloat16's step there is
 0.5), to show how its power grows with the rounding it causes. Each run draws its own vectors
 (prompts and row seeds); the checker is specbatch.sampled.check_samples at alpha 0.001.
 Writes power.json (every run's p-value and verdict, and the machine) and power.md (the table).
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from specbatch.machine import describe_machine
 from specbatch.sampled import ALPHA
-from specbatch.sampling_engines import BUGS, sampling_engine
+from specbatch.sampling_engines import BUGS, PROCESSOR_BUGS, sampling_engine
 from specbatch.testing import sampled_power, toy_sampling_pair
 
 
@@ -34,10 +35,12 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     target, draft = toy_sampling_pair()
     big_target, big_draft = toy_sampling_pair(logit_offset=100.0)
-    cases = [("target-only (null)", target, None, None, a.null_runs),
-             ("speculative (null)", target, draft, None, a.runs)]
-    cases += [(bug, target, draft, bug, a.runs) for bug in BUGS]
-    cases.append(("draft-bf16-logits, logits near 100", big_target, big_draft, "draft-bf16-logits", a.runs))
+    cases = [("target-only (null)", target, None, None, a.null_runs, False),
+             ("speculative (null)", target, draft, None, a.runs, False),
+             ("target-only, processor vectors (null)", target, None, None, a.null_runs, True),
+             ("speculative, processor vectors (null)", target, draft, None, a.runs, True)]
+    cases += [(bug, target, draft, bug, a.runs, bug in PROCESSOR_BUGS) for bug in BUGS]
+    cases.append(("draft-bf16-logits, logits near 100", big_target, big_draft, "draft-bf16-logits", a.runs, False))
     if a.only:
         cases = [c for c in cases if c[0] in a.only.split(",")]
     machine = describe_machine()
@@ -47,13 +50,15 @@ def main():
         earlier = json.loads((out / "power.json").read_text())
         results = earlier["results"]
         command = f"{earlier['command']}; then {command}"
+        if earlier["machine"]["summary"] != machine["summary"]:  # the table names every machine its rows ran on
+            machine = dict(machine, summary=f"{earlier['machine']['summary']}; then {machine['summary']}")
         cases = [c for c in cases if c[0] not in {r["engine"] for r in results}]
-    for name, t, d, bug, runs in cases:
+    for name, t, d, bug, runs, processors in cases:
         start = time.time()
-        reports = sampled_power(sampling_engine(t, d, bug=bug), t, runs=runs, seed=10_000)
+        reports = sampled_power(sampling_engine(t, d, bug=bug), t, runs=runs, seed=10_000, processors=processors)
         p = [r.p_value() for r in reports]
         rejected = sum(not r.conformant for r in reports)
-        results.append(dict(engine=name, bug=bug, runs=runs, rejected=rejected, p_values=p,
+        results.append(dict(engine=name, bug=bug, runs=runs, rejected=rejected, p_values=p, processors=processors,
                             violations=sum(bool(r.violations) for r in reports),
                             seconds=round(time.time() - start, 1)))
         print(f"{name:40s} rejected {rejected}/{runs}  ({time.time() - start:.0f} s)", flush=True)
@@ -67,12 +72,16 @@ def write(out: Path, command: str, machine: dict, results: list) -> None:
     lines = ["# Sampled checker: false alarms and power at the default size", "",
              f"Command: `{command}`", f"Machine: {machine['summary']}", "",
              "Default vectors (6 settings x 2 requests x 512 samples of 8 tokens); each run draws its own prompts "
-             "and seeds. Toy pair: specbatch.testing.toy_sampling_pair() (logits near 24).", "",
-             "| engine | what it does wrong | runs | rejected | median p-value | largest p-value |",
-             "|---|---|---:|---:|---:|---:|"]
+             "and seeds. Processor vectors (sampled_vectors(processors=True)): 6 settings with repetition, presence and "
+             "frequency penalties, min_p, a logit bias and min_tokens, on prompts whose greedy continuation repeats "
+             "itself early. Toy pair: specbatch.testing.toy_sampling_pair() (logits near 24).", "",
+             "| engine | what it does wrong | vectors | runs | rejected | median p-value | largest p-value |",
+             "|---|---|---|---:|---:|---:|---:|"]
     for r in results:
         p = sorted(r["p_values"])
-        lines.append(f"| {r['engine']} | {BUGS.get(r['bug'], 'nothing (exact)')} | {r['runs']} | {r['rejected']} | "
+        vectors = "processors" if r.get("processors") else "default"
+        lines.append(f"| {r['engine']} | {BUGS.get(r['bug'], 'nothing (exact)')} | {vectors} | {r['runs']} | "
+                     f"{r['rejected']} | "
                      f"{p[len(p) // 2]:.2g} | {p[-1]:.2g} |")
     (out / "power.md").write_text("\n".join(lines) + "\n")
 

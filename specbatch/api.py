@@ -18,7 +18,8 @@ from .fast.models import ModelRunner, abilities_of, attention_window, check_pair
 from .invariants import TraceWriter
 from .tensor_parallel import clock_agreement
 from .options import (STRATEGIES, GenerateOptions, check_arrivals, check_choice, check_logit_bias, check_options,
-                      check_stop, check_token_id, check_token_ids, per_prompt, resolve)
+                      check_stop, check_token_id, check_token_ids, per_prompt, resolve,
+                      stops_per_prompt)
 from .reference.processors import Processors, stop_text
 
 BROKEN = ("bsp-like", "dsd-like")  # deliberately wrong: generate_variant (bench, tests) only
@@ -54,18 +55,18 @@ def make_processors(opts: GenerateOptions, ids, max_new, eos_ids, vocab: int, de
     biases = [check_logit_bias(bias or {}) for bias in per_prompt("logit_bias", opts.logit_bias, count)]
     for token in (t for bias in biases for t in bias):
         check_token_id("logit_bias key", token, vocab)
-    stop = check_stop(opts.stop)
-    if stop and tokenizer is None:
+    stops = stops_per_prompt(opts.stop, count)
+    if any(stops) and tokenizer is None:
         raise ValueError("stop strings are judged on the decoded text: pass tokenizer= with stop=")
     column = lambda name: per_prompt(name, getattr(opts, name), count)  # noqa: E731
     settings = [Processors(repetition_penalty=float(r), presence_penalty=float(p), frequency_penalty=float(f),
                            logit_bias=bias, min_tokens=int(m), min_p=float(mp), stop=stop)
-                for r, p, f, bias, m, mp in zip(column("repetition_penalty"), column("presence_penalty"),
-                                                column("frequency_penalty"), biases, column("min_tokens"),
-                                                column("min_p"))]
+                for r, p, f, bias, m, mp, stop in zip(column("repetition_penalty"), column("presence_penalty"),
+                                                      column("frequency_penalty"), biases, column("min_tokens"),
+                                                      column("min_p"), stops)]
     if not any(s.changes_logits or s.min_p or s.stop for s in settings):
         return None
-    decode = (lambda tokens: decode_text(tokens, tokenizer)) if stop else None
+    decode = (lambda tokens: decode_text(tokens, tokenizer)) if any(stops) else None
     return LogitProcessors(settings, ids, max_new, eos_ids, device, decode)
 
 
@@ -262,8 +263,8 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     reasons = [results[r][1] for r in range(len(ids))]
     if writer is not None:
         writer.results(sequences, reasons)
-    texts = [result_text(s, reason, tokenizer, opts.stop) for s, reason in zip(sequences, reasons)] \
-        if tokenizer is not None else None
+    texts = [result_text(s, reason, tokenizer, stop) for s, reason, stop
+             in zip(sequences, reasons, stops_per_prompt(opts.stop, len(ids)))] if tokenizer is not None else None
     per_request = [dict(rounds=results[r][2], accepted_length=len(results[r][0]) / max(results[r][2], 1),
                         latency=results[r][3] - (arrivals[r] if arrivals is not None else 0.0))
                    for r in range(len(ids))]

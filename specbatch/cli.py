@@ -389,16 +389,14 @@ def _conform_make_processors(args) -> int:
     from collections import Counter
 
     from .processor_vectors import make_processor_vectors, save_processor_vectors
-    if args.sampled:
-        raise UserError("--processors and --sampled make different vectors; choose one")
     out = Path(args.out)
     if out.exists() or out.is_symlink():
         raise UserError(f"--out {out} exists; processor vectors are written to a new file")
     if not out.absolute().parent.is_dir():
         raise UserError(f"--out {out}: folder {out.absolute().parent} does not exist")
     opts, _ = options_from_args(args)
-    target, _, _ = load(args.target, dtype=opts.dtype, device=opts.device)
-    vectors = make_processor_vectors(target, seed=args.seed)
+    target, _, tokenizer = load(args.target, dtype=opts.dtype, device=opts.device)
+    vectors = make_processor_vectors(target, tokenizer=tokenizer, seed=args.seed)
     save_processor_vectors(vectors, out)
     counts = Counter(r["class"] for r in vectors.requests)
     print("| class | requests |\n|---|---|\n" + "\n".join(f"| {c} | {n} |" for c, n in counts.items()))
@@ -429,7 +427,7 @@ def _conform_check_processors(args) -> int:
 
 def _conform_make(args) -> int:
     from .conform import make_vectors
-    if args.processors:
+    if args.processors and not args.sampled:
         return _conform_make_processors(args)
     out = _new_folder(args.out)
     opts, _ = options_from_args(args)
@@ -461,7 +459,7 @@ def _conform_make(args) -> int:
             raise UserError(f"--eos-ids must be comma-separated token ids, got {args.eos_ids!r}") from None
     manifest = make_sampled_vectors(target, out, tokenizer=tokenizer, prompts=prompts, samples=args.samples, eos_token_ids=eos,
                                     requests_per_setting=args.requests, max_new_tokens=args.sampled_tokens,
-                                    seed=args.seed)
+                                    seed=args.seed, processors=args.processors)
     print(f"{manifest['num_rows']} rows in {out}: {len(manifest['settings'])} settings x "
           f"{manifest['requests_per_setting']} requests x {manifest['samples']} samples of "
           f"{manifest['max_new_tokens']} tokens; submit each setting's rows together, batch size "
@@ -533,6 +531,11 @@ def _sample_settings(args, vectors, target, draft, batch_size, done, writer):
         engine = hf_sampling_engine(target, draft)
     else:
         engine = specbatch_sampling_engine(target, draft, sampling=args.sampling, progress=sys.stderr.isatty())
+    from .testing import expressible
+    vectors, left_out = expressible(vectors, engine)
+    if left_out:
+        print(f"note: {args.engine} cannot express the processors of setting(s) {', '.join(left_out)}; not run "
+              f"(check with --without)", file=sys.stderr)
     names = [s["name"] for s in vectors.settings()]
     started = [time.perf_counter()]
 
@@ -573,7 +576,8 @@ def _conform_run(args) -> int:
     from .conform import load_vectors
     from .io import InputError, OutputLock, ResultWriter, check_output_path, read_done
     from .resume import RECORD_FORMAT, check_same_run, write_record
-    from .sampled import is_sampled, load_sampled_vectors
+    from .processor_vectors import SETTING_KEYS, is_processor_vectors, load_processor_vectors, without
+    from .sampled import PROCESSOR_KEYS, is_sampled, load_sampled_vectors, without_settings
     from .serving import ServerEngine, ServerError, run_vectors
     try:
         extra = json.loads(args.extra) if args.extra else {}
@@ -581,18 +585,30 @@ def _conform_run(args) -> int:
         raise UserError(f"--extra is not JSON: {e.msg}") from None
     if not isinstance(extra, dict):
         raise UserError("--extra must be a JSON object (fields added to every request)")
-    sampled = is_sampled(args.vectors)
-    vectors = load_sampled_vectors(args.vectors) if sampled else load_vectors(args.vectors)
-    ids = [r["id"] for r in (vectors.rows if sampled else vectors.requests)]
+    sampled, processors = is_sampled(args.vectors), is_processor_vectors(args.vectors)
+    vectors = (load_sampled_vectors(args.vectors) if sampled else load_processor_vectors(args.vectors) if processors
+               else load_vectors(args.vectors))
     engine = ServerEngine(args.server, args.api, model=args.model, logprobs=args.logprobs, timeout=args.timeout,
                           retries=args.retries, seeds=not args.no_seeds, extra=extra)
+    unsupported = ",".join(k for k in (PROCESSOR_KEYS if sampled else SETTING_KEYS) if k not in engine.SUPPORTS)
+    left_out = []
+    if sampled and unsupported:
+        vectors, left_out = without_settings(vectors, unsupported)
+    elif processors and unsupported:
+        kept = without(vectors, unsupported)
+        left_out, vectors = [r["id"] for r in vectors.requests if r["id"] not in kept.reference], kept
+    if left_out:
+        print(f"note: {args.api} cannot express {unsupported}: {len(left_out)} "
+              f"{'setting(s)' if sampled else 'request(s)'} left out; check with --without {unsupported}",
+              file=sys.stderr)
+    ids = [r["id"] for r in (vectors.rows if sampled else vectors.requests)]
     check_output_path(args.out, "--out", {})
     out = Path(args.out)
     lock = OutputLock(out)
     try:
         record = dict(format=RECORD_FORMAT, kind="server-outputs", vectors=vectors.manifest.get("checksums"),
                       server=engine.url, api=engine.api, model=args.model, logprobs=args.logprobs, seeds=engine.seeds,
-                      extra=extra, order=None if sampled else args.order)
+                      extra=extra, order=None if sampled or processors else args.order)
         record["vectors_sha256"] = hashlib.sha256(json.dumps(vectors.manifest, sort_keys=True).encode()).hexdigest()
         has_results = out.exists() and out.stat().st_size > 0
         previous = {}
@@ -629,19 +645,24 @@ def _conform_run(args) -> int:
             raise ServerError(f"{e} ({where})") from None
         writer.finish()
         print(f"{len(ids)} outputs in {out} ({count[0]} sent in {time.perf_counter() - start:.1f} s); judge them with: "
-              f"specbatch conform check {args.vectors} {out}" + (" --target MODEL" if sampled else ""))
+              f"specbatch conform check {args.vectors} {out}" + (" --target MODEL" if sampled else "")
+              + (f" --without {unsupported}" if left_out else ""))
         return 0
     finally:
         lock.release()
 
 
 def _conform_check_sampled(args) -> int:
-    from .sampled import check_samples, load_sampled_vectors, read_sampled_outputs
+    from .sampled import check_samples, load_sampled_vectors, read_sampled_outputs, without_settings
     if not args.target:
         raise UserError("sampled vectors: --target is required (the checker computes the target's distributions)")
     vectors = load_sampled_vectors(args.vectors, allow_modified=args.allow_modified,
                                    warn=lambda message: print(f"warning: {message}", file=sys.stderr))
     outputs = read_sampled_outputs(args.outputs)
+    if args.without:
+        vectors, left_out = without_settings(vectors, args.without)
+        outputs = [o for o in outputs if o.get("id") in {r["id"] for r in vectors.rows}]
+        print(f"left out: setting(s) {', '.join(left_out) or 'none'} (--without {args.without})", file=sys.stderr)
     target, _, _ = load(args.target, dtype=vectors.manifest["dtype"], device="cpu")
     from .conform import check_identity
     for line in check_identity(vectors, target):
@@ -885,7 +906,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--sampled", action="store_true", help="sampled vectors (settings of temperature, top-k and "
                    "top-p, many samples per request) instead of greedy ones")
     m.add_argument("--processors", action="store_true", help="greedy processor vectors (penalties, logit bias and "
-                   "min_tokens per request) in one file --out FILE.json")
+                   "min_tokens per request) in one file --out FILE.json; with --sampled, sampled vectors whose "
+                   "settings use processors (penalties, logit bias, min_tokens, min_p)")
     m.add_argument("--samples", type=int_at_least(4, "positive"), default=512, help="--sampled: samples per "
                    "request, a multiple of 4 (default 512)")
     m.add_argument("--requests", type=positive_int, default=2, help="--sampled: requests per setting (default 2)")
@@ -915,8 +937,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "engine ran with (it names the slot pairs; default the manifest's)")
     c.add_argument("--allow-modified", action="store_true", help="check against vectors whose files differ from "
                    "the manifest's checksums (with a warning) instead of refusing them")
-    c.add_argument("--without", default="", help="processor vectors: leave out the requests with these settings "
-                   "(comma-separated), which the engine refuses (vLLM with speculation: logit_bias)")
+    c.add_argument("--without", default="", help="processor vectors: leave out the requests (sampled: the settings) "
+                   "that use these processors (comma-separated), which the engine refuses (vLLM with speculation: "
+                   "logit_bias)")
     r = act.add_parser("run", help="send vectors (greedy or sampled) to a running inference server and write its "
                        "outputs for conform check")
     r.add_argument("vectors", help="folder written by conform make (greedy or --sampled)")

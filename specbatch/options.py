@@ -57,7 +57,7 @@ class GenerateOptions:
     min_tokens: int = _option(0, "EOS ids are excluded until this many new tokens exist")
     min_p: float = _option(0.0, "when sampling, keep only tokens of probability at least min_p times the most "
                                 "likely one (applied after top-k and top-p; 0: off)")
-    stop: tuple = _option((), "stop strings: a request ends at the token whose text completes one (needs a "
+    stop: tuple = _option((), "stop strings (or one list per prompt): a request ends at the token whose text completes one (needs a "
                               "tokenizer); the returned text ends before it")
     sampling: str = _option("rejection", "rejection (the target's distribution exactly) or coupled (the same "
                                          "tokens as target-only sampling with the same seed)")
@@ -241,6 +241,14 @@ def check_stop(value) -> tuple:
     return tuple(stops)
 
 
+def stops_per_prompt(value, count: int | None) -> list[tuple]:
+    """The stop strings of every prompt: a string or a list of strings for all, or a list with one
+    entry per prompt, each a string, a list of strings or None (none for that prompt)."""
+    if isinstance(value, (list, tuple)) and value and not all(isinstance(s, str) for s in value):
+        return [() if stops is None else check_stop(stops) for stops in per_prompt("stop", value, count)]
+    return [check_stop(value)] * (count or 1)
+
+
 def check_processors(o: GenerateOptions, num_prompts: int | None) -> None:
     """The processor fields: numbers for all prompts or one per prompt, each in its range."""
     for r in per_prompt("repetition_penalty", o.repetition_penalty, num_prompts):
@@ -259,7 +267,7 @@ def check_processors(o: GenerateOptions, num_prompts: int | None) -> None:
         for bias in per_prompt("logit_bias", o.logit_bias, num_prompts):
             if bias is not None:  # None in a list: none for that prompt
                 check_logit_bias(bias)
-    check_stop(o.stop)
+    stops_per_prompt(o.stop, num_prompts)
 
 
 def check_arrival_rate(value) -> float:

@@ -1,12 +1,14 @@
 """Greedy conformance vectors with logit processors: penalties, logit bias and min_tokens at draft
 positions, in one mixed batch.
 
-Penalties, biases and min_tokens keep greedy decoding deterministic, so an engine with speculation
-on must return exactly target-only greedy decoding with the same processors (reference.processors,
-whose order docs/api.md#processors states). Every request is chosen so that its processors matter
-where speculation can get them wrong: the processed answer differs from the unprocessed one at a
-draft position of the first round (new token 1 .. ROUND - 1), or an EOS that a logit bias makes
-likely is held back by min_tokens. All requests go to the engine together, so rows with different
+Penalties, biases, min_tokens and stop strings keep greedy decoding deterministic, so an engine with
+speculation on must return exactly target-only greedy decoding with the same processors
+(reference.processors, whose order docs/api.md#processors states). Every request is chosen so that
+its processors matter where speculation can get them wrong: the processed answer differs from the
+unprocessed one at a draft position of the first round (new token 1 .. ROUND - 1), an EOS that a
+logit bias makes likely is held back by min_tokens, or (with a tokenizer) a stop string of two
+tokens completes in the middle of the first round's tokens, or across the first two rounds; the
+output then ends at the token that completes it. All requests go to the engine together, so rows with different
 settings, and rows that cannot draft (a budget of 1), share batches. An engine is
 
     generate_fn(prompts, max_new_tokens, eos_token_ids, batch_size, settings) -> list[list[int]]
@@ -23,11 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from .conform import ROUND, TOP, Report, VectorError, _default_ulps, judge, model_identity
-from .reference.processors import Processors, process_logits, processed_greedy_decode
+from .reference.processors import Processors, process_logits, processed_greedy_decode, stop_text
 
 FORMAT, VERSION = "specbatch-processors", 1
-SETTING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
+SETTING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "stop")
 CLASSES = ("repetition-in-round", "frequency-in-round", "presence-in-round", "bias-in-round", "min-tokens-eos", "mixed")
+STOP_CLASSES = ("stop-in-round", "stop-across-rounds")  # with a tokenizer
+STOP_SPANS = {"stop-in-round": (1, 3), "stop-across-rounds": (ROUND - 1, ROUND + 1)}  # new tokens of the stop string
 
 
 @dataclass
@@ -42,7 +46,8 @@ class ProcessorVectors:
 
 
 def processors_of(settings: dict) -> Processors:
-    return Processors(**{key: (dict(value) if key == "logit_bias" else value) for key, value in settings.items()})
+    convert = {"logit_bias": lambda v: {int(t): float(b) for t, b in v.items()}, "stop": tuple}
+    return Processors(**{key: convert.get(key, lambda v: v)(value) for key, value in settings.items()})
 
 
 def _logits_fn(target):
@@ -98,10 +103,11 @@ def _flip_at(logits_of, prompt, answer, j: int) -> dict:
     return {int(second): float(min(x[top] - x[second] + 0.5, 100.0)), int(np.argsort(x)[0]): -3.0}
 
 
-def make_processor_vectors(target, *, seed: int = 0, candidates: int = 16, per_class: int = 3,
+def make_processor_vectors(target, *, tokenizer=None, seed: int = 0, candidates: int = 16, per_class: int = 3,
                            max_new_tokens: int = 12) -> ProcessorVectors:
     """Vectors for `target` (in memory): per_class requests of every class, each picked among
-    `candidates` random prompts where its processors change the answer inside the first round."""
+    `candidates` random prompts where its processors change the answer inside the first round; with
+    `tokenizer`, the stop-string classes too (text decoded without special tokens)."""
     from .fast.models import eos_ids_of
     rng = np.random.default_rng(seed)
     identity = model_identity(target)
@@ -134,6 +140,23 @@ def make_processor_vectors(target, *, seed: int = 0, candidates: int = 16, per_c
             x = logits_of(prompt + processed_greedy_decode(logits_of, prompt, 1, Processors(), eos))[-1]
             bias = float(min(x.max() - x[eos[0]] + 1.0, 100.0))
             add("min-tokens-eos", prompt, max_new_tokens, dict(logit_bias={eos[0]: bias}, min_tokens=3))
+    decode = None
+    if tokenizer is not None:
+        def decode(tokens):
+            return tokenizer.decode(list(tokens), skip_special_tokens=True)
+        for cls in STOP_CLASSES:
+            start, end = STOP_SPANS[cls]
+            found = 0
+            for prompt, answer in zip(prompts, plain):
+                stop = decode(answer[start:end]) if len(answer) > end else ""
+                if not stop.strip() or any(stop in decode([t]) for t in answer[start:end]):
+                    continue  # a stop string of two tokens, neither of which holds it alone
+                got = processed_greedy_decode(logits_of, prompt, max_new_tokens, Processors(stop=(stop,)), eos, decode)
+                if len(got) == end:  # it completes at the span's last token, not before
+                    add(cls, prompt, max_new_tokens, dict(stop=[stop]))
+                    found += 1
+                    if found == per_class:
+                        break
     mixed = [dict(), dict(repetition_penalty=1.5), dict(frequency_penalty=1.0, min_tokens=2),
              dict(presence_penalty=1.5), dict(repetition_penalty=1.8, presence_penalty=0.5)]
     for i, settings in enumerate(mixed * 2):  # every setting beside the others, with and without a budget of 1
@@ -142,14 +165,26 @@ def make_processor_vectors(target, *, seed: int = 0, candidates: int = 16, per_c
     reference = {}
     for r in requests:
         proc = processors_of(r["settings"])
-        answer = processed_greedy_decode(logits_of, r["token_ids"], r["max_new_tokens"], proc, eos)
+        answer = processed_greedy_decode(logits_of, r["token_ids"], r["max_new_tokens"], proc, eos, decode)
         reference[r["id"]] = dict(id=r["id"], token_ids=answer,
                                   top=_processed_top(logits_of, r["token_ids"], answer, proc, eos))
+        if proc.stop:
+            reference[r["id"]]["text"] = stop_text(decode(answer), proc.stop)
+    classes = list(CLASSES) + (list(STOP_CLASSES) if tokenizer is not None else [])
     manifest = dict(format=FORMAT, version=VERSION, **identity, eos_token_ids=eos, num_requests=len(requests),
-                    classes=list(CLASSES), seed=seed, tie_ulps_default=_default_ulps(identity["dtype"]),
+                    classes=classes, seed=seed, tie_ulps_default=_default_ulps(identity["dtype"]),
+                    tokenizer=tokenizer_identity(tokenizer) if tokenizer is not None else None,
                     order="logit_bias, min_tokens, repetition_penalty, presence and frequency penalties "
                           "(docs/api.md#processors)")
     return ProcessorVectors(manifest, requests, reference)
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """The tokenizer's class and a SHA-256 of its vocabulary: stop strings are judged on its text."""
+    import hashlib
+    import json
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]))
+    return dict(tokenizer_class=type(tokenizer).__name__, vocab_sha256=hashlib.sha256(vocab.encode()).hexdigest())
 
 
 def save_processor_vectors(vectors: ProcessorVectors, path) -> None:

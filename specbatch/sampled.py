@@ -49,6 +49,7 @@ NODE_MIN = 25  # samples sharing a prefix before their next tokens are tested as
 CELL_MIN = 5.0  # Cochran's rule: expected count of every chi-square cell
 PIT_BINS = 10
 SLACK = 1e-3  # rounding slack at the top-k and top-p boundaries (relative logit, and mass)
+PROCESSOR_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "min_p")
 SETTINGS = (  # temperature below and above 1, top-k, top-p and their combinations
     dict(name="t0.7", temperature=0.7, top_k=None, top_p=None),
     dict(name="t1.3", temperature=1.3, top_k=None, top_p=None),
@@ -61,25 +62,89 @@ SETTINGS = (  # temperature below and above 1, top-k, top-p and their combinatio
 
 # ---------------------------------------------------------------- vectors
 
+def processor_settings(target, prompts, eos_token_ids) -> tuple:
+    """Sampled settings with logit processors (reference.processors), each combining only settings
+    whose order engines agree on: penalties with the temperature, min_p with the temperature and
+    top-k (min_p commutes with top-k, not with top-p, which vLLM and transformers order differently),
+    a logit bias that makes the first prompt's fourth most likely token its most likely one, and,
+    with an EOS id, a bias that makes EOS likely held back by min_tokens for three tokens."""
+    import torch
+    device = next(target.parameters()).device
+    with torch.inference_mode():
+        x = target(input_ids=torch.tensor([list(prompts[0])], device=device)).logits[0, -1].double().cpu().numpy()
+    order = np.argsort(-x, kind="stable")
+    settings = [dict(name="t1.0-rep1.5", temperature=1.0, top_k=None, top_p=None, repetition_penalty=1.5),
+                dict(name="t0.8-freq1-pres0.5", temperature=0.8, top_k=None, top_p=None, frequency_penalty=1.0,
+                     presence_penalty=0.5),
+                dict(name="t1.0-minp0.1", temperature=1.0, top_k=None, top_p=None, min_p=0.1),
+                dict(name="t0.7-k20-minp0.05", temperature=0.7, top_k=20, top_p=None, min_p=0.05),
+                dict(name="t1.0-bias", temperature=1.0, top_k=None, top_p=None,
+                     logit_bias={int(order[3]): round(float(x[order[0]] - x[order[3]]) + 0.5, 3), int(order[0]): -2.0})]
+    if eos_token_ids:
+        eos = int(eos_token_ids[0])
+        settings.append(dict(name="t1.0-min-tokens3", temperature=1.0, top_k=None, top_p=None, min_tokens=3,
+                             logit_bias={eos: round(float(x.max() - x[eos]) + 1.0, 3)}))
+    return tuple(settings)
+
+
+def _repeating_prompts(target, rng, count: int, max_new_tokens: int, vocab: int, candidates: int = 32) -> list:
+    """`count` of `candidates` random prompts (3 to 16 ids), those whose greedy continuation repeats
+    one of its own tokens soonest: where penalties change the distribution inside a round's drafts."""
+    import torch
+    device = next(target.parameters()).device
+
+    def first_repeat(prompt):
+        ids = list(prompt)
+        for t in range(max_new_tokens):
+            with torch.inference_mode():
+                token = int(target(input_ids=torch.tensor([ids], device=device)).logits[0, -1].argmax())
+            if token in ids[len(prompt):]:
+                return t
+            ids.append(token)
+        return max_new_tokens
+    drawn = [rng.integers(0, vocab, int(rng.integers(3, 17))).tolist() for _ in range(candidates)]
+    return sorted(drawn, key=first_repeat)[:count]
+
+
+def setting_processors(setting: dict):
+    """The reference.processors.Processors of a setting (its logit_bias keys as ints, as JSON loses them)."""
+    from .reference.processors import Processors
+    return Processors(**processor_kwargs(setting))
+
+
+def processor_kwargs(setting: dict) -> dict:
+    """A setting's processor keys (PROCESSOR_KEYS) that it sets, as an engine takes them."""
+    out = {key: setting[key] for key in PROCESSOR_KEYS if setting.get(key) is not None}
+    if "logit_bias" in out:
+        out["logit_bias"] = {int(t): float(b) for t, b in out["logit_bias"].items()}
+    return out
+
+
 def sampled_vectors(target, *, prompts=None, samples: int = 512, requests_per_setting: int = 2,
-                    max_new_tokens: int = 8, seed: int = 0, settings=SETTINGS, eos_token_ids=None) -> "SampledVectors":
+                    max_new_tokens: int = 8, seed: int = 0, settings=SETTINGS, eos_token_ids=None,
+                    processors: bool = False) -> "SampledVectors":
     """Sampled vectors for `target`, in memory. prompts: token lists, one per request of a setting
     (default: random ids, 3 to 16 long); samples: per request, a multiple of 4 (twins, and slot
     pairs of twins); eos_token_ids: the ids a row stops at (default: the model's generation config;
     give more for an engine that also stops at other end tokens it cannot be told to ignore, such as
-    llama.cpp's end-of-generation set)."""
+    llama.cpp's end-of-generation set); processors: the settings of processor_settings instead, and
+    by default prompts whose greedy continuation repeats itself early (_repeating_prompts)."""
     from .fast.models import eos_ids_of
     if samples < 4 or samples % 4:
         raise VectorError(f"samples must be a positive multiple of 4, got {samples}")
     rng = np.random.default_rng(seed)
     identity = model_identity(target)
-    if prompts is None:
+    if prompts is None and processors:
+        prompts = _repeating_prompts(target, rng, requests_per_setting, max_new_tokens, identity["vocab_size"])
+    elif prompts is None:
         prompts = [rng.integers(0, identity["vocab_size"], int(rng.integers(3, 17))).tolist()
                    for _ in range(requests_per_setting)]
     prompts = [[int(t) for t in p] for p in prompts]
     eos = [int(t) for t in (eos_ids_of(target) if eos_token_ids is None else eos_token_ids)]
     if any(not 0 <= t < identity["vocab_size"] for t in eos):
         raise VectorError(f"EOS ids must lie in the vocabulary [0, {identity['vocab_size']}), got {eos}")
+    if processors:
+        settings = processor_settings(target, prompts, eos)
     rows = []
     for s in settings:
         for i in range(0, samples, 2):  # one block of batch_size rows: each request twice
@@ -88,12 +153,14 @@ def sampled_vectors(target, *, prompts=None, samples: int = 512, requests_per_se
                     rows.append(dict(id=f"{s['name']}/{r}/{sample}", setting=s["name"], request=f"{s['name']}/{r}",
                                      sample=sample, token_ids=prompt, max_new_tokens=max_new_tokens,
                                      eos_token_ids=eos, temperature=s["temperature"], top_k=s["top_k"],
-                                     top_p=s["top_p"], seed=int(seed) * 1_000_003 + len(rows)))
+                                     top_p=s["top_p"], **{k: s[k] for k in PROCESSOR_KEYS if k in s},
+                                     seed=int(seed) * 1_000_003 + len(rows)))
     manifest = dict(format=FORMAT, version=VERSION, **identity, eos_token_ids=eos, settings=list(settings),
                     samples=samples, requests_per_setting=len(prompts), max_new_tokens=max_new_tokens,
                     batch_size=2 * len(prompts), alpha=ALPHA, num_rows=len(rows), seed=seed,
-                    processors="temperature, then top-k (ties kept), then top-p (smallest most-likely set whose "
-                               "mass reaches top_p), renormalised")
+                    processors="logit_bias, min_tokens, repetition_penalty, presence and frequency penalties "
+                               "(docs/api.md#processors), then temperature, then top-k (ties kept), then top-p "
+                               "(smallest most-likely set whose mass reaches top_p), then min_p, renormalised")
     return SampledVectors(manifest, rows)
 
 
@@ -132,6 +199,18 @@ class SampledVectors:
         names = {s["name"] for s in kept}
         rows = [r for r in self.rows if r["sample"] < samples and r["setting"] in names]
         return SampledVectors(dict(self.manifest, samples=samples, num_rows=len(rows), settings=kept), rows)
+
+
+def without_settings(vectors: SampledVectors, names: str):
+    """(the vectors less the settings that use any of the processor keys `names`, comma-separated;
+    the names of the settings left out)."""
+    keys = set(filter(None, (names or "").split(",")))
+    unknown = keys - set(PROCESSOR_KEYS)
+    if unknown:
+        raise VectorError(f"--without: unknown setting {sorted(unknown)[0]!r}; expected some of "
+                          f"{', '.join(PROCESSOR_KEYS)}")
+    left_out = [s["name"] for s in vectors.settings() if set(processor_kwargs(s)) & keys]
+    return vectors.subset(settings=[s["name"] for s in vectors.settings() if s["name"] not in left_out]), left_out
 
 
 def is_sampled(path) -> bool:
@@ -179,12 +258,13 @@ def load_sampled_vectors(path, allow_modified: bool = False, warn=None) -> Sampl
 
 # ---------------------------------------------------------------- the target's conditionals
 
-def reference_probs(logits, temperature: float, top_k, top_p, slack: float = 0.0):
-    """Probabilities [..., V] (float64) under the reference semantics. slack > 0 widens both
-    boundaries (logits within slack * (1 + |k-th|) of the k-th kept; under top-p, mass before a
-    token up to top_p + slack, or its logit within slack * (1 + |last|) of the last kept token's,
-    which an engine whose logits round differently can rank above it): the set an engine that
-    rounds differently may still sample from."""
+def reference_probs(logits, temperature: float, top_k, top_p, slack: float = 0.0, min_p: float = 0.0):
+    """Probabilities [..., V] (float64) under the reference semantics, of logits already processed
+    (process_logits). slack > 0 widens every boundary (logits within slack * (1 + |k-th|) of the
+    k-th kept; under top-p, mass before a token up to top_p + slack, or its logit within
+    slack * (1 + |last|) of the last kept token's, which an engine whose logits round differently
+    can rank above it; under min_p, likewise around the floor): the set an engine that rounds
+    differently may still sample from."""
     import torch
     x = logits.double() / temperature
     if top_k is not None and top_k < x.shape[-1]:
@@ -200,7 +280,28 @@ def reference_probs(logits, temperature: float, top_k, top_p, slack: float = 0.0
             outside = outside & (sorted_x < last - slack * (1 + last.abs()))
         drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, outside)
         x = x.masked_fill(drop, float("-inf"))
+    if min_p:  # probability >= min_p x the largest: logit >= the largest + log(min_p)
+        floor = x.max(dim=-1, keepdim=True).values + math.log(min_p)
+        x = x.masked_fill(x < floor - slack * (1 + floor.abs()), float("-inf"))
     return x.softmax(dim=-1)
+
+
+def _processed(flat, setting: dict, prompts, continuations, eos_ids):
+    """flat [N, V] (one row per continuation token, in order) after the setting's logit processors,
+    each row processed from its own prefix: the reference's process_logits, row by row."""
+    import torch
+
+    from .reference.processors import process_logits
+    proc = setting_processors(setting)
+    if not proc.changes_logits:
+        return flat
+    rows, n = flat.double().cpu().numpy(), 0
+    out = np.empty_like(rows)
+    for prompt, cont in zip(prompts, continuations):
+        for t in range(len(cont)):
+            out[n] = process_logits(rows[n], prompt, cont[:t], proc, eos_ids)
+            n += 1
+    return torch.from_numpy(out).to(flat.device)
 
 
 @dataclass
@@ -268,10 +369,11 @@ def _continuation_logits(target, prompts, continuations):
         start = stop
 
 
-def conditionals(target, setting: dict, prompts, continuations, cell_counts: dict) -> Conditionals:
+def conditionals(target, setting: dict, prompts, continuations, cell_counts: dict, eos_ids=()) -> Conditionals:
     """The processed distribution at each continuation token of each sequence (prompt +
-    continuation), from which the probability of that token, the mass ranked ahead of it, and, at
-    the (sequence, position) keys of cell_counts, the node's cells for that many samples."""
+    continuation; processors see that prefix, min_tokens masks eos_ids), from which the probability
+    of that token, the mass ranked ahead of it, and, at the (sequence, position) keys of
+    cell_counts, the node's cells for that many samples."""
     import torch
     out = Conditionals([None] * len(prompts), [None] * len(prompts), [], {})
     order = sorted(range(len(prompts)), key=lambda i: tuple(prompts[i]))  # one prompt's sequences together
@@ -282,7 +384,9 @@ def conditionals(target, setting: dict, prompts, continuations, cell_counts: dic
             for k in range(first, last):
                 out.p[order[k]], out.before[order[k]] = np.zeros(0), np.zeros(0)
             continue
-        probs = reference_probs(flat, setting["temperature"], setting["top_k"], setting["top_p"])
+        flat = _processed(flat, setting, sorted_prompts[first:last], sorted_conts[first:last], eos_ids)
+        min_p = setting.get("min_p") or 0.0
+        probs = reference_probs(flat, setting["temperature"], setting["top_k"], setting["top_p"], min_p=min_p)
         token = torch.tensor([x for k in range(first, last) for x in sorted_conts[k]], device=probs.device)
         p_x = probs.gather(-1, token[:, None])[:, 0]
         index = torch.arange(probs.shape[-1], device=probs.device)[None, :]
@@ -296,7 +400,7 @@ def conditionals(target, setting: dict, prompts, continuations, cell_counts: dic
             for t in range(len(cont)):
                 if p_np[n + t] == 0:
                     wide = reference_probs(flat[n + t:n + t + 1], setting["temperature"], setting["top_k"],
-                                           setting["top_p"], SLACK)[0, cont[t]]
+                                           setting["top_p"], SLACK, min_p)[0, cont[t]]
                     out.outside.append((i, t, bool(wide == 0)))
                 if (i, t) in cell_counts:
                     out.cells[(i, t)] = _cells(probs[n + t].cpu().numpy(), cell_counts[(i, t)])
@@ -368,6 +472,7 @@ class SampledReport:
     violations: list = field(default_factory=list)  # (row id, position, token): outside the kept set
     boundary: int = 0  # tokens within the rounding slack of a boundary (left out of the tests)
     errors: list = field(default_factory=list)  # malformed, missing, extra, duplicated rows
+    left_out: list = field(default_factory=list)  # settings the engine cannot express (not run, not judged)
 
     def p_values(self) -> list[tuple[str, float]]:
         named = [(f"{s['name']} tree", s["p_tree"]) for s in self.settings]
@@ -407,6 +512,8 @@ class SampledReport:
             cells = " ".join(f"{r['position']}:{tv_lower_bound(r):.3f}{'*' if r['ks'] > r['margin'] else ''}"
                              for r in rows)
             lines.append(f"  {name:<16}{cells}")
+        if self.left_out:
+            lines.append(f"settings the engine cannot express, left out: {', '.join(self.left_out)}")
         lines.append(f"support violations: {len(self.violations)}; tokens at a rounding boundary (left out): "
                      f"{self.boundary}; threshold per p-value {self.threshold:.2g} (alpha {self.alpha:g} over "
                      f"{len(self.p_values())})")
@@ -498,7 +605,8 @@ def _setting_statistics(target, setting, rows, got, rng) -> dict:
         wanted[(int(sequence_of[i]), int(t))] = int(sizes[b])
         node_at[(int(sequence_of[i]), int(t))] = b
     keys = list(unique)
-    cond = conditionals(target, setting, [k[0] for k in keys], [k[1] for k in keys], wanted)
+    eos = rows[0]["eos_token_ids"] if rows else ()
+    cond = conditionals(target, setting, [k[0] for k in keys], [k[1] for k in keys], wanted, eos)
     p = np.zeros(tokens.shape)
     before = np.zeros(tokens.shape)
     for i, u in enumerate(sequence_of):

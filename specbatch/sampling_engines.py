@@ -2,16 +2,18 @@
 
 `sampling_engine(target, draft=None, bug=None)` returns an engine of the sampled protocol
 
-    sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k, top_p, seeds)
-        -> list[list[int]]      # one continuation per prompt, input order, the first EOS kept
+    sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k, top_p, seeds,
+              **processors) -> list[list[int]]      # one continuation per prompt, input order, the first EOS kept
 
 Rows run together without a KV cache (each forward recomputes every row's sequence, right-padded),
 so it suits tiny models. A round drafts `num_draft_tokens` tokens per row, verifies them in one
 target forward (accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); after the first reject
 sample from norm(max(0, p - q)); when every draft is accepted, the extra token comes from p_k),
 and commits them up to the row's budget and first EOS. Without a draft it is target-only sampling.
-Each row's randomness is keyed by its stream (fast.rng: stream, position, purpose); correct rows
-use their own seed. `BUGS` names the mistakes it can make instead, each one line of change.
+Logit processors (reference.processors: repetition, presence and frequency penalties, logit bias,
+min_tokens, min_p) process every query of the target and every draft step from that query's own
+prefix, drafts included. Each row's randomness is keyed by its stream (fast.rng: stream, position,
+purpose); correct rows use their own seed. `BUGS` names the mistakes it can make instead, each one line of change.
 """
 from __future__ import annotations
 
@@ -34,7 +36,15 @@ BUGS = {
     "temperature-after-truncation": "top-k and top-p applied to the raw logits, the temperature after",
     "shared-stream": "one random stream for every row of a batch",
     "slot-keyed": "randomness keyed by batch slot, so that every batch repeats the same streams",
+    "draft-noise-reused": "the acceptance test reuses the uniform that sampled the draft token "
+                          "(vllm-project/vllm issue 47386)",
+    "processors-bonus-only": "logit processors applied at each row's last verify query only, never at draft "
+                             "positions (vllm-project/vllm issue 42744)",
+    "penalties-drafts-ignored": "penalties at every verify query count the committed tokens only, not the drafts "
+                                "before it",
+    "min-tokens-off-by-one": "EOS held back until min_tokens - 1 new tokens (vllm-project/vllm PR 41768's class)",
 }
+PROCESSOR_BUGS = ("processors-bonus-only", "penalties-drafts-ignored", "min-tokens-off-by-one")
 
 
 def _last_logits(model, tokens, lengths, last: int) -> torch.Tensor:
@@ -50,22 +60,51 @@ def _last_logits(model, tokens, lengths, last: int) -> torch.Tensor:
     return logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])).double()
 
 
-def _probs(logits, temperature, top_k, top_p, bug):
+def _probs(logits, temperature, top_k, top_p, bug, min_p=0.0):
     """The processed distribution [.., V]; with temperature-after-truncation, in the wrong order."""
     if bug == "temperature-after-truncation":
-        kept = processed_log_probs(logits, 1.0, top_k, top_p) > float("-inf")
+        kept = processed_log_probs(logits, 1.0, top_k, top_p, min_p or None) > float("-inf")
         return (logits / temperature).masked_fill(~kept, float("-inf")).softmax(-1)
-    return processed_log_probs(logits, temperature, top_k, top_p).exp()
+    return processed_log_probs(logits, temperature, top_k, top_p, min_p or None).exp()
 
 
-def _draft_step(logits, temperature, top_k, top_p, bug, u):
+def _process(logits, work, prompt_len, first, proc, eos, bug):
+    """logits [R, L, V] predicting positions first .. first + L - 1 of each row of work [R, W], after
+    the processors `proc` (reference.processors.Processors), each query from its own prefix
+    work[r, :first + j] (prompt_len[r] of them the prompt): process_logits, vectorized."""
+    if not proc.changes_logits:
+        return logits
+    rows, queries, vocab = logits.shape
+    x = logits.clone()
+    for token, bias in proc.logit_bias.items():
+        x[..., int(token)] += bias
+    end = first[:, None] + torch.arange(queries, device=x.device)[None, :]  # [R, L] each query's prefix length
+    new = end - prompt_len[:, None]  # [R, L] new tokens before each query
+    if proc.min_tokens and len(eos):
+        limit = proc.min_tokens - 1 if bug == "min-tokens-off-by-one" else proc.min_tokens
+        x[..., eos] = x[..., eos].masked_fill((new < limit)[..., None], float("-inf"))
+    if bug == "penalties-drafts-ignored":
+        end = first[:, None].expand(rows, queries)
+    position = torch.arange(work.shape[1], device=x.device)[None, None, :]
+    in_prefix = position < end[..., None]  # [R, L, W]
+    generated = (in_prefix & (position >= prompt_len[:, None, None])).double()
+    onehot = torch.nn.functional.one_hot(work, vocab).double()  # [R, W, V]
+    counts = torch.einsum("rlw,rwv->rlv", generated, onehot)
+    if proc.repetition_penalty != 1.0:
+        seen = torch.einsum("rlw,rwv->rlv", in_prefix.double(), onehot) > 0
+        r = proc.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    return x - proc.frequency_penalty * counts - proc.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def _draft_step(logits, temperature, top_k, top_p, bug, u, min_p=0.0):
     """One draft step: (proposal [R], the q that acceptance uses [R, V])."""
-    q = _probs(logits, temperature, top_k, top_p, bug)
+    q = _probs(logits, temperature, top_k, top_p, bug, min_p)
     if bug == "draft-argmax":
         return q.argmax(-1), q
     source = q
     if bug == "draft-without-temperature":
-        source = _probs(logits, 1.0, top_k, top_p, None)
+        source = _probs(logits, 1.0, top_k, top_p, None, min_p)
     elif bug == "draft-bf16-logits":  # temperature and softmax in the logits' bfloat16
         scaled = (logits.to(torch.bfloat16) / temperature).double()
         source = _probs(scaled, 1.0, top_k, top_p, None).to(torch.bfloat16).double()
@@ -85,7 +124,10 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
     k = num_draft_tokens if draft is not None else 0
 
     def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
-                  seeds=None):
+                  seeds=None, **processors):
+        from .reference.processors import Processors
+        proc = Processors(**processors)
+        at_drafts = proc.min_p if bug != "processors-bonus-only" else 0.0  # the target's min_p at draft positions
         count = len(prompts)
         seeds = list(seeds) if seeds is not None else list(range(count))
         if bug == "shared-stream":  # every row of a batch reads its first row's stream
@@ -101,6 +143,7 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
         made = torch.zeros(count, dtype=torch.long, device=device)  # tokens committed per row
         done = budget <= 0
         eos = torch.tensor(list(eos_token_ids) or [-1], device=device)
+        eos_ids = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
         stream_of = torch.tensor(seeds, device=device)
         while not done.all():
             rows = (~done).nonzero()[:, 0]
@@ -109,20 +152,27 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
             work = tokens[rows].clone()
             q = []
             for j in range(k):
-                logits = _last_logits(draft, work, length + j, 1)[:, 0]
+                logits = _process(_last_logits(draft, work, length + j, 1), work, prompt_len[rows], length + j,
+                                  proc, eos_ids, bug)[:, 0]
                 u = rng.uniform(stream, zero, made[rows] + j, "draft")
-                proposal, q_j = _draft_step(logits, temperature, top_k, top_p, bug, u)
+                proposal, q_j = _draft_step(logits, temperature, top_k, top_p, bug, u, proc.min_p)
                 work[torch.arange(len(rows)), length + j] = proposal
                 q.append(q_j)
             drafted = work.gather(1, length[:, None] + torch.arange(k, device=device)[None, :])  # [R, k]
-            p = _probs(_last_logits(target, work, length + k, k + 1), temperature, top_k, top_p, bug)
+            raw = _last_logits(target, work, length + k, k + 1)  # [R, k + 1, V]
+            processed = _process(raw, work, prompt_len[rows], length, proc, eos_ids, bug)
+            if bug == "processors-bonus-only":  # the draft positions' queries keep the raw logits
+                processed = torch.cat([raw[:, :k], processed[:, k:]], dim=1)
+            p = torch.cat([_probs(processed[:, :k], temperature, top_k, top_p, bug, at_drafts),
+                           _probs(processed[:, k:], temperature, top_k, top_p, bug, proc.min_p)], dim=1)
             accepted = torch.zeros(len(rows), dtype=torch.long, device=device)
             if k:
                 q = torch.stack(q, dim=1)  # [R, k, V]
                 p_d = p[:, :k].gather(-1, drafted[..., None])[..., 0]
                 q_d = q.gather(-1, drafted[..., None])[..., 0]
                 steps = made[rows][:, None] + torch.arange(k, device=device)[None, :]
-                u = rng.uniform(stream[:, None], zero[:, None], steps, "accept")
+                u = rng.uniform(stream[:, None], zero[:, None], steps,
+                                "draft" if bug == "draft-noise-reused" else "accept")
                 accepted = (u * q_d < p_d).long().cumprod(dim=1).sum(dim=1)
             index = torch.arange(len(rows), device=device)
             p_at = p[index, accepted]
@@ -138,7 +188,8 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
                     residual_distribution(p_at, q_at)
                 bonus = p_at
                 if bug == "bonus-from-draft":
-                    bonus = _probs(_last_logits(draft, work, length + k, 1)[:, 0], temperature, top_k, top_p, None)
+                    bonus = _probs(_process(_last_logits(draft, work, length + k, 1), work, prompt_len[rows], length + k,
+                                            proc, eos_ids, bug)[:, 0], temperature, top_k, top_p, None, proc.min_p)
                 dist = torch.where((accepted < k)[:, None], residual, bonus)
             token = sample_from(dist, rng.uniform(stream, zero, made[rows] + accepted, "sample"))
             work[index, length + accepted] = token

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from .conform import _is_int
 from .conform import _token_list as _ids
 from .errors import UserError
+from .sampled import PROCESSOR_KEYS
 
 
 class ServerError(UserError):
@@ -57,6 +58,7 @@ class Ask:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    processors: dict = field(default_factory=dict)  # PROCESSOR_KEYS and stop that are set (logit_bias: {id: bias})
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Protocol:
     name = ""
     path = ""
     limits: tuple = ()  # settings of the vectors this API cannot express, in words
+    supports: tuple = (*PROCESSOR_KEYS, "stop")  # the processors (and stop strings) a request can set
 
     def body(self, ask: Ask, logprobs: int, model: str | None) -> dict:
         raise NotImplementedError
@@ -108,6 +111,9 @@ class OpenAIProtocol(Protocol):
             body["top_k"] = int(ask.top_k)
         if ask.seed is not None:
             body["seed"] = int(ask.seed)
+        body.update({key: value for key, value in ask.processors.items() if key != "logit_bias"})
+        if ask.processors.get("logit_bias"):  # OpenAI's map from token id (a string) to bias
+            body["logit_bias"] = {str(int(t)): float(b) for t, b in ask.processors["logit_bias"].items()}
         if logprobs:
             body["logprobs"] = int(logprobs)
         if model:
@@ -149,7 +155,12 @@ class LlamaCppProtocol(Protocol):
               "one of the vectors' extra EOS ids are not seen",
               "end-of-generation tokens: llama.cpp stops at every token of the model's end-of-generation set, "
               "which a request cannot turn off; where that set holds ids the vectors do not count as EOS (SmolLM2: "
-              "<|endoftext|>, id 0, beside <|im_end|>, id 2), make sampled vectors with --eos-ids naming them all")
+              "<|endoftext|>, id 0, beside <|im_end|>, id 2), make sampled vectors with --eos-ids naming them all",
+              "processors: llama.cpp takes logit_bias and min_p; it has no min_tokens, its penalties count a "
+              "window of recent tokens, prompt included, not OpenAI's new tokens, and its stop strings are not "
+              "known to end at the token that completes them, so requests with penalties, min_tokens or stop "
+              "strings are left out")
+    supports = ("logit_bias", "min_p")
     # settings echoed in `generation_settings` that must come back as sent
     ECHOED = ("temperature", "top_k", "top_p", "n_predict", "seed", "min_p", "samplers")
 
@@ -161,6 +172,13 @@ class LlamaCppProtocol(Protocol):
                     dry_multiplier=0.0, xtc_probability=0.0, mirostat=0, dynatemp_range=0.0, ignore_eos=False,
                     samplers=["temperature", "top_k", "top_p"], return_tokens=True, cache_prompt=False,
                     stream=False, n_probs=int(logprobs or 0), post_sampling_probs=False)
+        unsupported = sorted(set(ask.processors) - set(self.supports))
+        if unsupported:
+            raise ServerError(f"request {ask.id!r}: llama.cpp's API cannot express {', '.join(unsupported)}")
+        if ask.processors.get("min_p"):  # after top-p, as the reference orders it
+            body["min_p"], body["samplers"] = float(ask.processors["min_p"]), [*body["samplers"], "min_p"]
+        if ask.processors.get("logit_bias"):  # applied to the raw logits, before every sampler
+            body["logit_bias"] = [[int(t), float(b)] for t, b in ask.processors["logit_bias"].items()]
         if ask.seed is not None:
             body["seed"] = int(ask.seed) % 2**32  # llama.cpp's seeds are 32-bit
         if model:
@@ -241,6 +259,10 @@ class ServerEngine:
     def limits(self) -> tuple:
         return self.protocol.limits
 
+    @property
+    def SUPPORTS(self) -> tuple:  # noqa: N802 - the kit's name for the processors an engine can express
+        return self.protocol.supports
+
     def ask(self, ask: Ask) -> Answer:
         """One completion; ServerError (one line) for anything that makes the answer unusable."""
         body = dict(self.protocol.body(ask, self.logprobs, self.model), **self.extra)
@@ -300,10 +322,17 @@ class ServerEngine:
 
     # the kit's engine protocols (specbatch.testing)
     def __call__(self, prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature=0.0, top_k=None,
-                 top_p=None, seeds=None) -> list:
+                 top_p=None, seeds=None, **processors) -> list:
         seeds = list(seeds) if seeds is not None and self.seeds else [None] * len(prompts)
-        asks = [Ask(str(i), list(p), int(m), list(eos_token_ids), temperature, top_k, top_p, s)
+        asks = [Ask(str(i), list(p), int(m), list(eos_token_ids), temperature, top_k, top_p, s, dict(processors))
                 for i, (p, m, s) in enumerate(zip(prompts, max_new_tokens, seeds))]
+        answers = self.run(asks, self.concurrency or batch_size)
+        return [answers[a.id].token_ids for a in asks]
+
+    def with_settings(self, prompts, max_new_tokens, eos_token_ids, batch_size, settings) -> list:
+        """The processor protocol (specbatch.processor_vectors): greedy, one settings dict per request."""
+        asks = [Ask(str(i), list(p), int(m), list(eos_token_ids), processors=dict(s))
+                for i, (p, m, s) in enumerate(zip(prompts, max_new_tokens, settings))]
         answers = self.run(asks, self.concurrency or batch_size)
         return [answers[a.id].token_ids for a in asks]
 
@@ -336,13 +365,19 @@ def _parameter_hint(message: str, body: dict) -> str:
 # ---------------------------------------------------------------- vectors through a server
 
 def asks_of(vectors, order: str = "shuffled") -> list[Ask]:
-    """The requests of greedy vectors (in the manifest's suggested `order`) or of sampled vectors
-    (each setting's rows together, in file order), as Asks."""
-    from .sampled import SampledVectors
+    """The requests of greedy vectors (in the manifest's suggested `order`), of processor vectors
+    (file order, each with its settings) or of sampled vectors (each setting's rows together, in
+    file order), as Asks."""
+    from .processor_vectors import ProcessorVectors
+    from .sampled import SampledVectors, processor_kwargs
     if isinstance(vectors, SampledVectors):
         eos = vectors.manifest["eos_token_ids"]
         return [Ask(r["id"], r["token_ids"], r["max_new_tokens"], eos, r["temperature"], r["top_k"], r["top_p"],
-                    r["seed"]) for s in vectors.settings() for r in vectors.rows_of(s["name"])]
+                    r["seed"], processor_kwargs(r)) for s in vectors.settings() for r in vectors.rows_of(s["name"])]
+    if isinstance(vectors, ProcessorVectors):
+        eos = vectors.manifest["eos_token_ids"]
+        return [Ask(r["id"], r["token_ids"], r["max_new_tokens"], eos, processors=processor_kwargs(r["settings"]))
+                for r in vectors.requests]
     orders = vectors.manifest["suggested"]["orders"]
     if order not in orders:
         raise ServerError(f"--order {order!r}: the vectors suggest {', '.join(orders)}")

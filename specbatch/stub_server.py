@@ -19,6 +19,11 @@ Bugs (`BUGS`), each a mistake a real engine made or could make:
     text-only      answers text, no token ids
     text-prompt    counts the prompt as text (its prompt-token count differs from the ids sent)
     drops-top-k    ignores top_k, and says so in llama.cpp's echoed settings
+    processors-ignored  accepts penalties, logit_bias, min_tokens and min_p and applies none of them
+                   (sgl-project/sglang issue 28180, NVIDIA/TensorRT-LLM PR 17701)
+
+Processors (OpenAI's and vLLM's fields; llama.cpp's logit_bias and min_p) apply per request, so
+requests with different processors share a batch.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ import time
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-BUGS = ("eos-overrun", "pad-mask", "shared-seed", "wrong-top-p", "text-only", "text-prompt", "drops-top-k")
+BUGS = ("eos-overrun", "pad-mask", "shared-seed", "wrong-top-p", "text-only", "text-prompt", "drops-top-k",
+        "processors-ignored")
 
 
 class StubServer:
@@ -118,7 +124,13 @@ class StubServer:
     def _generate(self, requests: list[dict]) -> list[list[int]]:
         import specbatch
 
+        from .options import defaults
+        from .sampled import PROCESSOR_KEYS
         from .testing import broken_sampling_engine, padded_batch_engine
+        columns = {key: [r["processors"].get(key, getattr(defaults(), key)) for r in requests]
+                   for key in PROCESSOR_KEYS if any(key in r["processors"] for r in requests)}
+        if self.bug == "processors-ignored":
+            columns = {}
         prompts = [r["prompt"] for r in requests]
         budgets = [r["budget"] for r in requests]
         first = requests[0]
@@ -127,7 +139,7 @@ class StubServer:
             return padded_batch_engine(self.target, self.pad, mask_from_pad=True)(prompts, budgets, eos, len(prompts))
         if not first["temperature"]:
             return specbatch.generate(self.target, self.draft, prompts, max_new_tokens=budgets, eos_token_id=eos,
-                                      batch_size=len(prompts)).sequences
+                                      batch_size=len(prompts), **columns).sequences
         seeds = [0 if self.bug == "shared-seed" else r["seed"] for r in requests]
         top_k = None if self.bug == "drops-top-k" else first["top_k"]
         if self.bug == "wrong-top-p":
@@ -136,7 +148,7 @@ class StubServer:
                           top_p=first["top_p"], seeds=seeds)
         return specbatch.generate(self.target, self.draft, prompts, max_new_tokens=budgets, eos_token_id=eos,
                                   batch_size=len(prompts), temperature=first["temperature"], top_k=top_k,
-                                  top_p=first["top_p"], seed=seeds).sequences
+                                  top_p=first["top_p"], seed=seeds, **columns).sequences
 
     def top_logprobs(self, prompt: list[int], answer: list[int], count: int) -> list:
         """[[token, logprob] x count] at every answer position, from one unpadded forward."""
@@ -150,10 +162,16 @@ def _complete(server: StubServer, body: dict, budget_key: str, eos: list) -> tup
     if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
         raise ValueError("prompt must be a list of token ids")
     top_k = body.get("top_k")
+    processors = {key: body[key] for key, default in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                                                      ("frequency_penalty", 0.0), ("min_tokens", 0), ("min_p", 0.0))
+                  if body.get(key) not in (None, default)}
+    bias = body.get("logit_bias")
+    if bias:  # OpenAI: {"id": bias}; llama.cpp: [[id, bias], ...]
+        processors["logit_bias"] = {int(t): float(b) for t, b in (bias.items() if isinstance(bias, dict) else bias)}
     request = dict(prompt=prompt, budget=int(body.get(budget_key) or 16), eos=eos,
                    temperature=float(body.get("temperature", 1.0)), top_k=int(top_k) if top_k and top_k > 0 else None,
                    top_p=None if body.get("top_p", 1.0) >= 1.0 else float(body["top_p"]),
-                   seed=int(body.get("seed") or 0))
+                   seed=int(body.get("seed") or 0), processors=processors)
     return request, [int(t) for t in server.complete(request)]
 
 

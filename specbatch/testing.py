@@ -292,17 +292,20 @@ def specbatch_sampling_engine(target, draft, sampling: str = "rejection", strate
     import specbatch
 
     def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
-                  seeds=None):
+                  seeds=None, **processors):
         return specbatch.generate(target, draft, prompts, max_new_tokens=list(max_new_tokens), batch_size=batch_size,
                                   strategy=strategy, eos_token_id=list(eos_token_ids), temperature=temperature,
-                                  top_k=top_k, top_p=top_p, sampling=sampling, seed=list(seeds), **options).sequences
+                                  top_k=top_k, top_p=top_p, sampling=sampling, seed=list(seeds), **processors,
+                                  **options).sequences
     return sample_fn
 
 
 def hf_sampling_engine(target, draft=None, num_assistant_tokens: int = 4):
     """transformers' `generate(do_sample=True)`: batched with left padding without a draft (the
     call's first seed seeds torch), or assisted sampling with `draft`, one row at a time (transformers
-    assists at batch 1 only), each row seeded with its own seed."""
+    assists at batch 1 only), each row seeded with its own seed. Of the processors it expresses
+    repetition_penalty, min_p, min_tokens (min_new_tokens) and logit_bias (sequence_bias); SUPPORTS
+    lists them."""
     import torch
 
     def run(ids, mask, budget, eos, kw):
@@ -311,10 +314,18 @@ def hf_sampling_engine(target, draft=None, num_assistant_tokens: int = 4):
                                    eos_token_id=list(eos) or None, pad_token_id=(list(eos) or [0])[0], **kw)
 
     def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
-                  seeds=None):
+                  seeds=None, repetition_penalty=None, min_p=None, min_tokens=None, logit_bias=None):
         seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
         device = next(target.parameters()).device
         kw = dict(temperature=temperature, top_k=top_k or 0, top_p=top_p if top_p is not None else 1.0)
+        if repetition_penalty is not None:
+            kw["repetition_penalty"] = repetition_penalty
+        if min_p:
+            kw["min_p"] = min_p
+        if min_tokens:
+            kw["min_new_tokens"] = min_tokens
+        if logit_bias:
+            kw["sequence_bias"] = {(int(t),): float(b) for t, b in logit_bias.items()}
         out = []
         if draft is not None:
             draft.generation_config.num_assistant_tokens = num_assistant_tokens
@@ -334,6 +345,7 @@ def hf_sampling_engine(target, draft=None, num_assistant_tokens: int = 4):
             gen = run(ids, mask.long(), max(budgets), eos_token_ids, kw)
             out += [cut_at_stop(row[width:].tolist(), b, eos_token_ids) for row, b in zip(gen, budgets)]
         return out
+    sample_fn.SUPPORTS = ("repetition_penalty", "min_p", "min_tokens", "logit_bias")
     return sample_fn
 
 
@@ -351,7 +363,7 @@ def run_sampled(sample_fn, vectors, batch_size: int | None = None, timeout: floa
     setting's call returns (a caller keeps finished work there)."""
     import functools
 
-    from .sampled import load_sampled_vectors
+    from .sampled import load_sampled_vectors, processor_kwargs
     if isinstance(vectors, (str, Path)):
         vectors = load_sampled_vectors(vectors)
     batch_size = batch_size or vectors.manifest["batch_size"]
@@ -362,7 +374,7 @@ def run_sampled(sample_fn, vectors, batch_size: int | None = None, timeout: floa
         rows = vectors.rows_of(s["name"])
         first = len(outputs)
         call = functools.partial(sample_fn, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
-                                 seeds=[r["seed"] for r in rows])
+                                 seeds=[r["seed"] for r in rows], **processor_kwargs(s))
         got = call_engine(call, [r["token_ids"] for r in rows], [r["max_new_tokens"] for r in rows],
                           vectors.manifest["eos_token_ids"], batch_size, timeout)
         for r, tokens in zip(rows, got):
@@ -382,12 +394,27 @@ def check_sampling(sample_fn, vectors, target, batch_size: int | None = None, al
     from .sampled import ALPHA, check_samples, load_sampled_vectors
     if isinstance(vectors, (str, Path)):
         vectors = load_sampled_vectors(vectors)
+    vectors, left_out = expressible(vectors, sample_fn)
     outputs = run_sampled(sample_fn, vectors, batch_size, timeout)
     report = check_samples(vectors, outputs, target, batch_size=batch_size, alpha=alpha or ALPHA)
+    report.left_out = left_out
     if not report.conformant:
         raise ConformanceError("sampled outputs differ from the target's distribution:\n" + report.table() + "\n"
                                + "\n".join(report.lines()[:20]))
     return report
+
+
+def expressible(vectors, sample_fn):
+    """(the sampled vectors less the settings whose processors the engine cannot express, their
+    names): an engine lists what it can in sample_fn.SUPPORTS; one without SUPPORTS takes them all."""
+    from .sampled import processor_kwargs
+    supports = getattr(sample_fn, "SUPPORTS", None)
+    if supports is None:
+        return vectors, []
+    left_out = [s["name"] for s in vectors.settings() if not set(processor_kwargs(s)) <= set(supports)]
+    if not left_out:
+        return vectors, []
+    return vectors.subset(settings=[s["name"] for s in vectors.settings() if s["name"] not in left_out]), left_out
 
 
 def sampled_power(sample_fn, target, runs: int = 100, seed: int = 0, group: int = 1, **vector_options) -> list:
@@ -398,7 +425,7 @@ def sampled_power(sample_fn, target, runs: int = 100, seed: int = 0, group: int 
     cost is mostly per call)."""
     import functools
 
-    from .sampled import check_samples, sampled_vectors
+    from .sampled import check_samples, processor_kwargs, sampled_vectors
     reports = []
     for first in range(0, runs, group):
         sets = [sampled_vectors(target, seed=seed + first + j, **vector_options)
@@ -408,7 +435,7 @@ def sampled_power(sample_fn, target, runs: int = 100, seed: int = 0, group: int 
             rows = [v.rows_of(s["name"]) for v in sets]
             flat = [r for part in rows for r in part]
             call = functools.partial(sample_fn, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
-                                     seeds=[r["seed"] for r in flat])
+                                     seeds=[r["seed"] for r in flat], **processor_kwargs(s))
             got = iter(call_engine(call, [r["token_ids"] for r in flat], [r["max_new_tokens"] for r in flat],
                                    sets[0].manifest["eos_token_ids"], sets[0].manifest["batch_size"], None))
             for j, part in enumerate(rows):
@@ -521,14 +548,17 @@ PROCESSOR_BUGS = {
     "drafts-ignored": "penalties at every verify query count the committed tokens only, not the drafts before it",
     "min-tokens-off-by-one": "EOS held back until min_tokens - 1 new tokens (vllm-project/vllm PR 41768's class)",
     "row-zero-settings": "the first request's settings applied to every row (NVIDIA/TensorRT-LLM PR 12588's class)",
+    "stop-window-round-only": "stop strings looked for in the current round's tokens only, so one that spans two "
+                              "rounds is missed (the stop-window class of vllm-project/vllm PR 47616)",
+    "stop-tokens-kept": "a stop string found inside an accepted block, but the block's tokens after it returned "
+                        "(sgl-project/sglang PR 23802, huggingface/transformers issue 48039)",
 }
 
 
-def broken_processor_engine(target, draft, bug: str, strategy: str = "ragged", **options):
-    """specbatch with one named processor bug (PROCESSOR_BUGS): the processor checker must flag it."""
+def _broken_processors(bug: str):
+    """specbatch.fast.processors.LogitProcessors with one named bug (PROCESSOR_BUGS)."""
     import torch
 
-    from . import api
     from .fast.processors import LogitProcessors
     if bug not in PROCESSOR_BUGS:
         raise ValueError(f"unknown processor bug {bug!r}; expected one of {', '.join(PROCESSOR_BUGS)}")
@@ -551,21 +581,45 @@ def broken_processor_engine(target, draft, bug: str, strategy: str = "ragged", *
             return super().process(logits, requests, None if bug == "drafts-ignored" else drafted)
 
         def finish_round(self, requests, choice, n, hit):
-            if bug != "per-step":
-                return super().finish_round(requests, choice, n, hit)
-            last = choice.gather(1, torch.as_tensor(n - 1, device=choice.device)[:, None])
-            super().finish_round(requests, last, n * 0 + 1, hit)
-            return n, hit
+            if bug == "per-step":
+                last = choice.gather(1, torch.as_tensor(n - 1, device=choice.device)[:, None])
+                super().finish_round(requests, last, n * 0 + 1, hit)
+                return n, hit
+            if bug == "stop-window-round-only":  # judged on an empty history: this round's tokens alone
+                kept, self.host_history = self.host_history, [[] for _ in self.host_history]
+                n, hit = super().finish_round(requests, choice, n, hit)
+                for r, new in enumerate(self.host_history):
+                    kept[r] += new
+                self.host_history = kept
+                return n, hit
+            if bug == "stop-tokens-kept":  # the stop reason kept, the cut undone
+                _, hit = super().finish_round(requests, choice, n, hit)
+                return n, hit
+            return super().finish_round(requests, choice, n, hit)
+    return Broken
 
-    engine = specbatch_processor_engine(target, draft, strategy, **options)
 
-    def generate_fn(*args):
-        real, api.LogitProcessors = api.LogitProcessors, Broken
+def _with(processors_class, engine):
+    """engine, run with api.LogitProcessors replaced by processors_class for each call."""
+    from . import api
+
+    def run(*args, **kw):
+        real, api.LogitProcessors = api.LogitProcessors, processors_class
         try:
-            return engine(*args)
+            return engine(*args, **kw)
         finally:
             api.LogitProcessors = real
-    return generate_fn
+    return run
+
+
+def broken_processor_engine(target, draft, bug: str, strategy: str = "ragged", **options):
+    """specbatch with one named processor bug (PROCESSOR_BUGS): the processor checker must flag it."""
+    return _with(_broken_processors(bug), specbatch_processor_engine(target, draft, strategy, **options))
+
+
+def broken_processor_sampling_engine(target, draft, bug: str, sampling: str = "rejection", **options):
+    """specbatch sampling (the sampled protocol) with one named processor bug (PROCESSOR_BUGS)."""
+    return _with(_broken_processors(bug), specbatch_sampling_engine(target, draft, sampling, **options))
 
 
 def hf_assisted_processor_engine(target, draft=None, num_assistant_tokens: int = 4):

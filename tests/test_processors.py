@@ -288,3 +288,15 @@ def test_cli_bad_processor_flags_are_one_line(folders, prompt_file, capsys, flag
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_stop_strings_per_prompt():
+    """stop: one list for every prompt, or one entry per prompt (a string, a list or None)."""
+    from specbatch.options import OptionError, stops_per_prompt
+    assert stops_per_prompt(["a b", "c"], 2) == [("a b", "c")] * 2
+    assert stops_per_prompt("a", 3) == [("a",)] * 3
+    assert stops_per_prompt([["a"], None, "b"], 3) == [("a",), (), ("b",)]
+    with pytest.raises(OptionError, match="stop has 2 entries for 3 prompts"):
+        stops_per_prompt([["a"], ["b"]], 3)
+    with pytest.raises(OptionError, match="stop must be a list of non-empty strings"):
+        stops_per_prompt([["a"], [""]], 2)

@@ -280,3 +280,67 @@ def test_a_refusal_names_a_parameter_only_when_its_message_does():
     assert _parameter_hint("EngineCore encountered an issue", body) == ""  # no stray one-letter match
     assert _parameter_hint("top_k must be at least -1", body) == " (parameter 'top_k')"
     assert "--no-seeds" in _parameter_hint("seed is not supported", body)
+
+
+# ---------------------------------------------------------------- processors through a server
+
+@pytest.fixture(scope="module")
+def processor_vectors(pair):
+    from specbatch.processor_vectors import make_processor_vectors
+    return make_processor_vectors(pair[0])
+
+
+@pytest.mark.parametrize("bug", [None, "processors-ignored"])
+def test_processor_vectors_through_a_server(pair, processor_vectors, bug):
+    """Every request with its own penalties, bias and min_tokens, sent together to an OpenAI server
+    (which batches requests of different settings): exact when it applies them, flagged when it
+    accepts them and applies none (SGLang issue 28180's class)."""
+    from specbatch.processor_vectors import check_processor_outputs
+    with StubServer(*pair, bug=bug) as server:
+        rows = list(run_vectors(ServerEngine(server.url, "openai"), processor_vectors, concurrency=8).values())
+        assert max(server.batches) > 1
+    report = check_processor_outputs(processor_vectors, rows)
+    assert report.conformant == (bug is None), report.lines()
+    if bug:
+        wrong = {r["id"] for r in report.requests if r["verdict"] != "exact"}
+        assert wrong and all(not processor_vectors.requests[i]["settings"] or r["verdict"] == "exact"
+                             for i, r in enumerate(report.requests) if r["id"] not in wrong)
+        assert {r["class"] for r in report.requests if r["id"] in wrong} >= {"repetition-in-round", "bias-in-round"}
+
+
+def test_llama_cpp_leaves_out_what_it_cannot_express_and_says_so(pair, processor_vectors, tmp_path, capsys):
+    """llama.cpp's API has logit_bias and min_p only: conform run sends the rest, names what it left
+    out and the --without that judges the rest; conform check with it passes."""
+    from specbatch.processor_vectors import save_processor_vectors
+    path = tmp_path / "processors.json"
+    save_processor_vectors(processor_vectors, path)
+    out = tmp_path / "out.jsonl"
+    with StubServer(*pair) as server:
+        assert main(["conform", "run", str(path), "--server", server.url, "--api", "llama.cpp", "--out", str(out)]) == 0
+        sent = sum(server.batches)
+    captured = capsys.readouterr()
+    assert "cannot express repetition_penalty,presence_penalty,frequency_penalty,min_tokens,stop" in captured.err
+    expressible = [r for r in processor_vectors.requests if set(r["settings"]) <= {"logit_bias"}]
+    assert sent == len(expressible) and any(r["settings"] for r in expressible)
+    assert "--without repetition_penalty,presence_penalty,frequency_penalty,min_tokens,stop" in captured.out
+    without = "repetition_penalty,presence_penalty,frequency_penalty,min_tokens,stop"
+    assert main(["conform", "check", str(path), str(out), "--without", without]) == 0
+    assert main(["conform", "check", str(path), str(out)]) == 1  # the left-out requests are missing
+    with pytest.raises(ServerError, match="cannot express min_tokens"):
+        ServerEngine("http://127.0.0.1:9", "llama.cpp").protocol.body(
+            __import__("specbatch.serving", fromlist=["Ask"]).Ask("x", [1], 2, [0], processors=dict(min_tokens=2)), 0,
+            None)
+
+
+@pytest.mark.parametrize("bug", [None, pytest.param("processors-ignored", marks=pytest.mark.full)])
+def test_sampled_processor_vectors_through_a_server(sampled_pair, bug):
+    target, draft = sampled_pair
+    with torch.no_grad():  # peaked: on a random model's near-uniform distributions processors move little mass
+        target = __import__("copy").deepcopy(target)
+        target.lm_head.weight.mul_(30.0)
+    vectors = sampled_vectors(target, seed=4, samples=32 if bug is None else 64, processors=True).subset(
+        settings=["t1.0-bias", "t1.0-minp0.1"] if bug is None else ["t1.0-rep1.5", "t1.0-bias"])
+    with StubServer(target, target, bug=bug) as server:
+        rows = list(run_vectors(ServerEngine(server.url, "openai"), vectors, concurrency=8).values())
+    report = check_samples(vectors, rows, target, batch_size=8)
+    assert report.conformant == (bug is None), report.table()
