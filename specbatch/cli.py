@@ -415,7 +415,9 @@ def _conform_check_processors(args) -> int:
     rows = [r for r in rows if str(r["id"]) not in left_out]  # an engine may still have answered them
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
-    report = check_processor_outputs(vectors, rows, args.tie_ulps)
+    report = check_processor_outputs(vectors, rows, args.tie_ulps, logprobs=args.logprobs)
+    for line in report.warnings:
+        print(f"warning: {line}", file=sys.stderr)
     print(report.table())
     for line in report.lines():
         print(line)
@@ -937,6 +939,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "engine ran with (it names the slot pairs; default the manifest's)")
     c.add_argument("--allow-modified", action="store_true", help="check against vectors whose files differ from "
                    "the manifest's checksums (with a warning) instead of refusing them")
+    c.add_argument("--logprobs", choices=("raw", "processed"), default=None, help="processor vectors: also check "
+                   "the logprob the engine returned for each token (its outputs' logprobs or top, as conform run "
+                   "--logprobs N writes them) against the reference's raw (the target's) or processed ones")
     c.add_argument("--without", default="", help="processor vectors: leave out the requests (sampled: the settings) "
                    "that use these processors (comma-separated), which the engine refuses (vLLM with speculation: "
                    "logit_bias)")

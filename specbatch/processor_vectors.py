@@ -73,17 +73,26 @@ def _logits_fn(target):
     return logits_of
 
 
-def _processed_top(logits_of, prompt, answer, proc: Processors, eos) -> list:
-    """[[token, processed logit] x TOP] at every answer position, from one forward."""
+def _reference_scores(logits_of, prompt, answer, proc: Processors, eos) -> tuple[list, dict]:
+    """(top: [[token, processed logit] x TOP] at every answer position; logprobs: the answer token's
+    log-probability at every position, raw (the target's) and processed), from one forward."""
     if not answer:
-        return []
+        return [], dict(raw=[], processed=[])
     logits = logits_of(list(prompt) + list(answer[:-1]))[len(prompt) - 1:]
-    top = []
+    top, raw, processed = [], [], []
     for j, row in enumerate(logits):
         x = process_logits(row, prompt, answer[:j], proc, eos)
         order = np.argsort(-x, kind="stable")[:TOP]
         top.append([[int(t), float(x[t])] for t in order])
-    return top
+        raw.append(float(_log_softmax(row)[answer[j]]))
+        processed.append(float(_log_softmax(x)[answer[j]]))
+    return top, dict(raw=raw, processed=processed)
+
+
+def _log_softmax(x) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    shifted = x - x.max()
+    return shifted - np.log(np.exp(shifted).sum())
 
 
 def _settings_for(cls: str, rng) -> dict:
@@ -166,14 +175,16 @@ def make_processor_vectors(target, *, tokenizer=None, seed: int = 0, candidates:
     for r in requests:
         proc = processors_of(r["settings"])
         answer = processed_greedy_decode(logits_of, r["token_ids"], r["max_new_tokens"], proc, eos, decode)
-        reference[r["id"]] = dict(id=r["id"], token_ids=answer,
-                                  top=_processed_top(logits_of, r["token_ids"], answer, proc, eos))
+        top, logprobs = _reference_scores(logits_of, r["token_ids"], answer, proc, eos)
+        reference[r["id"]] = dict(id=r["id"], token_ids=answer, top=top, logprobs=logprobs)
         if proc.stop:
             reference[r["id"]]["text"] = stop_text(decode(answer), proc.stop)
     classes = list(CLASSES) + (list(STOP_CLASSES) if tokenizer is not None else [])
     manifest = dict(format=FORMAT, version=VERSION, **identity, eos_token_ids=eos, num_requests=len(requests),
                     classes=classes, seed=seed, tie_ulps_default=_default_ulps(identity["dtype"]),
                     tokenizer=tokenizer_identity(tokenizer) if tokenizer is not None else None,
+                    logprobs="each answer token's log-probability, raw (the target's log-softmax) and processed "
+                             "(after the request's processors): conform check --logprobs raw|processed",
                     order="logit_bias, min_tokens, repetition_penalty, presence and frequency penalties "
                           "(docs/api.md#processors)")
     return ProcessorVectors(manifest, requests, reference)
@@ -239,10 +250,19 @@ def run_processor_vectors(generate_fn, vectors: ProcessorVectors, batch_size: in
     return [dict(id=r["id"], token_ids=[int(t) for t in tokens]) for r, tokens in zip(requests, got)]
 
 
-def check_processor_outputs(vectors: ProcessorVectors, outputs, ulps: float | None = None) -> Report:
-    """Each output against target-only greedy decoding with its request's processors."""
+def check_processor_outputs(vectors: ProcessorVectors, outputs, ulps: float | None = None, logprobs: str | None = None,
+                            tolerance: float | None = None) -> Report:
+    """Each output against target-only greedy decoding with its request's processors. logprobs: "raw"
+    or "processed" also checks the log-probability the engine returned for each token it shares with
+    the reference (an output's `logprobs`, one number per token, or `top`, [[token, logprob], ...] per
+    token) against the reference's, within `tolerance` (default: the tie tolerance of the dtype's
+    logprobs, conform.logprob_tolerance)."""
+    from .conform import logprob_tolerance
     dtype = vectors.manifest["dtype"]
     ulps = vectors.manifest["tie_ulps_default"] if ulps is None else ulps
+    if logprobs not in (None, "raw", "processed"):
+        raise VectorError(f"logprobs must be 'raw' or 'processed', got {logprobs!r}")
+    tolerance = logprob_tolerance(dtype, ulps) if tolerance is None else tolerance
     by_id = {str(o["id"]): o for o in outputs}
     report = Report()
     report.extra = sorted(i for i in by_id if i not in vectors.reference)
@@ -252,6 +272,39 @@ def check_processor_outputs(vectors: ProcessorVectors, outputs, ulps: float | No
             report.missing.append(r["id"])
             report.requests.append(dict(base, verdict="missing"))
         else:
-            report.requests.append(dict(base, **judge(vectors.reference[r["id"]], list(by_id[r["id"]]["token_ids"]),
-                                                      dtype, ulps)))
+            verdict = judge(vectors.reference[r["id"]], list(by_id[r["id"]]["token_ids"]), dtype, ulps)
+            if logprobs and verdict["verdict"] != "algorithmic":
+                verdict = _judge_logprobs(vectors.reference[r["id"]], by_id[r["id"]], logprobs, tolerance,
+                                          report.warnings) or verdict
+            report.requests.append(dict(base, **verdict))
     return report
+
+
+def _returned_logprobs(output: dict) -> list | None:
+    """The log-probability an output gives each of its tokens (None where it gives none)."""
+    if isinstance(output.get("logprobs"), list):
+        return [float(v) if isinstance(v, (int, float)) else None for v in output["logprobs"]]
+    if isinstance(output.get("top"), list):
+        return [dict((int(t), float(v)) for t, v in top).get(int(token)) if isinstance(top, list) else None
+                for token, top in zip(output["token_ids"], output["top"])]
+    return None
+
+
+def _judge_logprobs(reference: dict, output: dict, mode: str, tolerance: float, warnings: list) -> dict | None:
+    """An algorithmic verdict at the first token whose returned logprob is off by more than
+    tolerance; None when all agree (positions past the shared tokens, or without a number, are skipped)."""
+    want = (reference.get("logprobs") or {}).get(mode)
+    got = _returned_logprobs(output)
+    if want is None:
+        warnings.append(f"{reference['id']}: the vectors hold no {mode} logprobs (made before they were kept)")
+        return None
+    if got is None:
+        warnings.append(f"{reference['id']}: the output has no logprobs to check")
+        return None
+    for j, (a, b, token, expected) in enumerate(zip(got, want, output["token_ids"], reference["token_ids"])):
+        if token != expected:
+            break
+        if a is not None and abs(a - b) > tolerance:
+            return dict(verdict="algorithmic", index=j, margin=None, detail=f"the {mode} logprob of token {token} "
+                        f"is {a:.6g}, the reference's {b:.6g} (tolerance {tolerance:.3g})")
+    return None

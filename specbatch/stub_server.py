@@ -21,6 +21,8 @@ Bugs (`BUGS`), each a mistake a real engine made or could make:
     drops-top-k    ignores top_k, and says so in llama.cpp's echoed settings
     processors-ignored  accepts penalties, logit_bias, min_tokens and min_p and applies none of them
                    (sgl-project/sglang issue 28180, NVIDIA/TensorRT-LLM PR 17701)
+    draft-logprobs returns the draft's logprobs instead of the target's (the class of
+                   ggml-org/llama.cpp issue 27972 and vllm-project/vllm issue 29216)
 
 Processors (OpenAI's and vLLM's fields; llama.cpp's logit_bias and min_p) apply per request, so
 requests with different processors share a batch.
@@ -35,7 +37,7 @@ from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 BUGS = ("eos-overrun", "pad-mask", "shared-seed", "wrong-top-p", "text-only", "text-prompt", "drops-top-k",
-        "processors-ignored")
+        "processors-ignored", "draft-logprobs")
 
 
 class StubServer:
@@ -151,9 +153,13 @@ class StubServer:
                                   top_p=first["top_p"], seed=seeds, **columns).sequences
 
     def top_logprobs(self, prompt: list[int], answer: list[int], count: int) -> list:
-        """[[token, logprob] x count] at every answer position, from one unpadded forward."""
+        """[[token, logprob] x count, and the answer token's when it ranks lower] at every answer
+        position, from one unpadded forward (raw: the model's log-softmax)."""
         from .conform import _top_logits
-        return _top_logits(self.target, prompt, answer, top=count, log_softmax=True)
+        model = self.draft if self.bug == "draft-logprobs" and self.draft is not None else self.target
+        every = _top_logits(model, prompt, answer, top=model.get_output_embeddings().weight.shape[0], log_softmax=True)
+        # as vLLM: the top `count` and the chosen token's own, wherever it ranks
+        return [top[:count] + [pair for pair in top[count:] if pair[0] == token] for top, token in zip(every, answer)]
 
 
 def _complete(server: StubServer, body: dict, budget_key: str, eos: list) -> tuple[dict, list[int]]:

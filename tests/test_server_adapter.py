@@ -344,3 +344,30 @@ def test_sampled_processor_vectors_through_a_server(sampled_pair, bug):
         rows = list(run_vectors(ServerEngine(server.url, "openai"), vectors, concurrency=8).values())
     report = check_samples(vectors, rows, target, batch_size=8)
     assert report.conformant == (bug is None), report.table()
+
+
+@pytest.mark.parametrize("bug", [None, "draft-logprobs"])
+def test_logprobs_of_processor_vectors_through_a_server(pair, processor_vectors, bug, tmp_path, capsys):
+    """conform check --logprobs raw compares the logprob the server returned for each token with the
+    reference's: a server returning the draft's logprobs is flagged; a correct server's raw logprobs
+    are not its processed ones wherever processors change the logits."""
+    from specbatch.processor_vectors import check_processor_outputs, save_processor_vectors
+    with StubServer(*pair, bug=bug) as server:
+        rows = list(run_vectors(ServerEngine(server.url, "openai", logprobs=2), processor_vectors,
+                                concurrency=8).values())
+    report = check_processor_outputs(processor_vectors, rows, logprobs="raw")
+    assert report.conformant == (bug is None), report.lines()
+    assert not report.warnings
+    if bug:
+        assert report.errors and all("raw logprob" in r["detail"] for r in report.errors)
+        assert check_processor_outputs(processor_vectors, rows).conformant  # the tokens themselves are right
+    else:
+        processed = check_processor_outputs(processor_vectors, rows, logprobs="processed")
+        changed = {r["id"] for r in processor_vectors.requests if r["settings"]}
+        assert processed.errors and {r["id"] for r in processed.errors} <= changed
+        path, out = tmp_path / "pv.json", tmp_path / "out.jsonl"
+        save_processor_vectors(processor_vectors, path)
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert main(["conform", "check", str(path), str(out), "--logprobs", "raw"]) == 0
+        assert main(["conform", "check", str(path), str(out), "--logprobs", "processed"]) == 1
+        assert "processed logprob of token" in capsys.readouterr().out
