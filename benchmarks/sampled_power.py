@@ -13,6 +13,7 @@ Writes power.json (every run's p-value and verdict, and the machine) and power.m
 """
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -37,20 +38,20 @@ def main():
     big_target, big_draft = toy_sampling_pair(logit_offset=100.0)
     cases = [("target-only (null)", target, None, None, a.null_runs, False),
              ("speculative (null)", target, draft, None, a.runs, False),
-             ("target-only, processor vectors (null)", target, None, None, a.null_runs, True),
-             ("speculative, processor vectors (null)", target, draft, None, a.runs, True)]
+             ("target-only on processor vectors (null)", target, None, None, a.null_runs, True),
+             ("speculative on processor vectors (null)", target, draft, None, a.runs, True)]
     cases += [(bug, target, draft, bug, a.runs, bug in PROCESSOR_BUGS) for bug in BUGS]
     cases.append(("draft-bf16-logits, logits near 100", big_target, big_draft, "draft-bf16-logits", a.runs, False))
     if a.only:
         cases = [c for c in cases if c[0] in a.only.split(",")]
     machine = describe_machine()
-    command = "python benchmarks/sampled_power.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/sampled_power.py " + shlex.join(sys.argv[1:])
     results = []
     if a.resume and (out / "power.json").is_file():
         earlier = json.loads((out / "power.json").read_text())
         results = earlier["results"]
         command = f"{earlier['command']}; then {command}"
-        if earlier["machine"]["summary"] != machine["summary"]:  # the table names every machine its rows ran on
+        if not earlier["machine"]["summary"].endswith(machine["summary"]):  # the table names every machine its rows ran on
             machine = dict(machine, summary=f"{earlier['machine']['summary']}; then {machine['summary']}")
         cases = [c for c in cases if c[0] not in {r["engine"] for r in results}]
     for name, t, d, bug, runs, processors in cases:
