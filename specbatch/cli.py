@@ -570,35 +570,51 @@ def _sample_greedy(args, vectors, target, draft, opts, batch_size, writer):
                  progress=(f"{opts.strategy}" if draft is not None else "target-only") if sys.stderr.isatty() else False)
 
 
+def _extra_fields(text: str | None) -> dict:
+    """--extra: a JSON object of fields added to every request."""
+    import json
+    try:
+        extra = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise UserError(f"--extra is not JSON: {e.msg}") from None
+    if not isinstance(extra, dict):
+        raise UserError("--extra must be a JSON object (fields added to every request)")
+    return extra
+
+
+def _expressible_on(engine, vectors, sampled: bool, processors: bool):
+    """(the vectors less what the server's API cannot express, the ids or setting names left out,
+    the unexpressed processor keys comma-separated); greedy vectors use no processors."""
+    from .processor_vectors import SETTING_KEYS, without
+    from .sampled import PROCESSOR_KEYS, without_settings
+    unsupported = ",".join(k for k in (PROCESSOR_KEYS if sampled else SETTING_KEYS) if k not in engine.SUPPORTS)
+    if sampled and unsupported:
+        vectors, left_out = without_settings(vectors, unsupported)
+        return vectors, left_out, unsupported
+    if processors and unsupported:
+        kept = without(vectors, unsupported)
+        return kept, [r["id"] for r in vectors.requests if r["id"] not in kept.reference], unsupported
+    return vectors, [], unsupported
+
+
 def _conform_run(args) -> int:
-    """Vectors (greedy or sampled) sent to a running server; its answers appended to --out as they arrive."""
+    """Vectors (greedy, processor or sampled) sent to a running server; its answers appended to --out as they arrive."""
     import hashlib
     import json
 
     from .conform import load_vectors
     from .io import InputError, OutputLock, ResultWriter, check_output_path, read_done
     from .resume import RECORD_FORMAT, check_same_run, write_record
-    from .processor_vectors import SETTING_KEYS, is_processor_vectors, load_processor_vectors, without
-    from .sampled import PROCESSOR_KEYS, is_sampled, load_sampled_vectors, without_settings
+    from .processor_vectors import is_processor_vectors, load_processor_vectors
+    from .sampled import is_sampled, load_sampled_vectors
     from .serving import ServerEngine, ServerError, run_vectors
-    try:
-        extra = json.loads(args.extra) if args.extra else {}
-    except json.JSONDecodeError as e:
-        raise UserError(f"--extra is not JSON: {e.msg}") from None
-    if not isinstance(extra, dict):
-        raise UserError("--extra must be a JSON object (fields added to every request)")
+    extra = _extra_fields(args.extra)
     sampled, processors = is_sampled(args.vectors), is_processor_vectors(args.vectors)
     vectors = (load_sampled_vectors(args.vectors) if sampled else load_processor_vectors(args.vectors) if processors
                else load_vectors(args.vectors))
     engine = ServerEngine(args.server, args.api, model=args.model, logprobs=args.logprobs, timeout=args.timeout,
                           retries=args.retries, seeds=not args.no_seeds, extra=extra)
-    unsupported = ",".join(k for k in (PROCESSOR_KEYS if sampled else SETTING_KEYS) if k not in engine.SUPPORTS)
-    left_out = []
-    if sampled and unsupported:
-        vectors, left_out = without_settings(vectors, unsupported)
-    elif processors and unsupported:
-        kept = without(vectors, unsupported)
-        left_out, vectors = [r["id"] for r in vectors.requests if r["id"] not in kept.reference], kept
+    vectors, left_out, unsupported = _expressible_on(engine, vectors, sampled, processors)
     if left_out:
         print(f"note: {args.api} cannot express {unsupported}: {len(left_out)} "
               f"{'setting(s)' if sampled else 'request(s)'} left out; check with --without {unsupported}",

@@ -112,6 +112,24 @@ def _flip_at(logits_of, prompt, answer, j: int) -> dict:
     return {int(second): float(min(x[top] - x[second] + 0.5, 100.0)), int(np.argsort(x)[0]): -3.0}
 
 
+def _stop_strings(logits_of, prompts, plain, cls: str, decode, eos, max_new_tokens: int, count: int) -> list:
+    """Up to `count` (prompt, stop string) pairs: the decoding of the plain answer's new tokens
+    STOP_SPANS[cls], a string of two tokens neither of which holds it alone, which processed greedy
+    decoding completes at the span's last token and not before."""
+    start, end = STOP_SPANS[cls]
+    found = []
+    for prompt, answer in zip(prompts, plain):
+        stop = decode(answer[start:end]) if len(answer) > end else ""
+        if not stop.strip() or any(stop in decode([t]) for t in answer[start:end]):
+            continue
+        got = processed_greedy_decode(logits_of, prompt, max_new_tokens, Processors(stop=(stop,)), eos, decode)
+        if len(got) == end:
+            found.append((prompt, stop))
+            if len(found) == count:
+                break
+    return found
+
+
 def make_processor_vectors(target, *, tokenizer=None, seed: int = 0, candidates: int = 16, per_class: int = 3,
                            max_new_tokens: int = 12) -> ProcessorVectors:
     """Vectors for `target` (in memory): per_class requests of every class, each picked among
@@ -154,18 +172,8 @@ def make_processor_vectors(target, *, tokenizer=None, seed: int = 0, candidates:
         def decode(tokens):
             return tokenizer.decode(list(tokens), skip_special_tokens=True)
         for cls in STOP_CLASSES:
-            start, end = STOP_SPANS[cls]
-            found = 0
-            for prompt, answer in zip(prompts, plain):
-                stop = decode(answer[start:end]) if len(answer) > end else ""
-                if not stop.strip() or any(stop in decode([t]) for t in answer[start:end]):
-                    continue  # a stop string of two tokens, neither of which holds it alone
-                got = processed_greedy_decode(logits_of, prompt, max_new_tokens, Processors(stop=(stop,)), eos, decode)
-                if len(got) == end:  # it completes at the span's last token, not before
-                    add(cls, prompt, max_new_tokens, dict(stop=[stop]))
-                    found += 1
-                    if found == per_class:
-                        break
+            for prompt, stop in _stop_strings(logits_of, prompts, plain, cls, decode, eos, max_new_tokens, per_class):
+                add(cls, prompt, max_new_tokens, dict(stop=[stop]))
     mixed = [dict(), dict(repetition_penalty=1.5), dict(frequency_penalty=1.0, min_tokens=2),
              dict(presence_penalty=1.5), dict(repetition_penalty=1.8, presence_penalty=0.5)]
     for i, settings in enumerate(mixed * 2):  # every setting beside the others, with and without a budget of 1
