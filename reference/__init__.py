@@ -1,14 +1,17 @@
 """Pure-NumPy reference of batch speculative decoding: the executable specification.
 
 It never imports torch. `state` holds the layouts, `rounds` one round's arithmetic, `pool` the
-schedulers, `toy_lm` a small causal LM with a KV cache, `drafts` scripted drafts, `engine`
-end-to-end generation with every strategy.
+schedulers, `toy_lm` a small causal LM with a KV cache, `drafts` scripted drafts, `engine` the
+rounds with real caches, `strategies` one function per strategy (the registry `STRATEGIES`), and
+`api` the twin of specbatch.generate.
 """
 from .drafts import ScriptedDraft, confidence_hashed, deviate_at, deviate_hashed
-from .engine import STRATEGIES, ReferenceResult, generate
+from .api import generate
+from .engine import ReferenceResult
 from .pool import ExspecPool, FixedBatches, SlotQueue
 from .rounds import commit_counts, eqspec_update, greedy_accept, ragged_commit, realign_source
 from .state import RaggedState, RectState, query_mask
+from .strategies import STRATEGIES
 from .toy_lm import ToyLM, greedy_decode
 
 __all__ = ["ToyLM", "greedy_decode", "ScriptedDraft", "deviate_at", "deviate_hashed", "confidence_hashed", "generate", "STRATEGIES",

@@ -1,12 +1,11 @@
-"""End-to-end reference speculative decoding with real padding, masks and KV caches.
+"""The reference's rounds, with real padding, masks and KV caches (reference.strategies runs them).
 
 Slow and obvious on purpose. Rows live individually between rounds (tokens and unpadded K/V per
-model); a rectangular round stacks them left-padded (the repad), runs draft and verify with
-masks and positions derived from lengths, and unstacks them (the unpad). EQSPEC runs a fixed
-batch this way; EXSPEC runs whatever the pool selects. The ragged round keeps every row in its
-own slot row of a fixed buffer and writes K/V at the row's own offsets: nothing moves.
-
-Every strategy must produce exactly `greedy_decode`'s tokens for every request (I5, I6).
+model); a rectangular round (`rect_round`) stacks them left-padded (the repad), runs draft and
+verify with masks and positions derived from lengths, and unstacks them (the unpad). EQSPEC runs
+a fixed batch this way; EXSPEC runs whatever the pool selects. The ragged round (`ragged_round`)
+keeps every row in its own slot row of a fixed buffer and writes K/V at the row's own offsets:
+nothing moves.
 """
 from __future__ import annotations
 
@@ -20,8 +19,6 @@ from .pool import ExspecPool, FixedBatches, SlotQueue
 from .rounds import commit_counts, committed_tokens, greedy_accept, proposal_lengths, ragged_commit, softmax_max
 from .state import RaggedState, RectState, query_mask
 
-from ..options import STRATEGIES, defaults  # the registry and defaults the torch engine, API and CLI share
-
 
 @dataclass
 class Options:
@@ -32,7 +29,6 @@ class Options:
     check: bool = False
     threshold: float = 0.0  # a row stops proposing when its draft confidence is below it (I7)
     floor: float | None = None  # ... proposing the step it stops at if its confidence is >= floor (None: never)
-    caps: list | None = None  # the cap of each round in order (a fast engine's trace), default k
 
 
 def draft_rows(draft, limit, threshold, step_fn, floor=None):
@@ -159,8 +155,7 @@ def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: 
     state = RectState.from_rows([r.tokens for r in rows], opt.pad_id)
     (batch, width), pad, content = state.tokens.shape, state.pad_len, state.content_len
     remaining = np.array([r.remaining for r in rows])
-    clamp = np.minimum(opt.k, remaining - 1) if draft is not None else np.zeros(batch, dtype=np.int64)
-    limit = np.minimum(clamp, round_cap(opt, round_index))
+    limit = np.minimum(opt.k, remaining - 1) if draft is not None else np.zeros(batch, dtype=np.int64)
     if opt.check:  # without I1 nothing below is meaningful: stop at once
         raise_if(check_alignment(pad, content, width), round_index)
     found = []
@@ -202,7 +197,7 @@ def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: 
                 request=row.request, prompt_len=row.prompt_len, tokens=state.tokens[i].tolist(), pad_len=int(pad[i]),
                 content_len=int(content[i]), positions=seen["positions"][i][:p + 1].tolist(),
                 mask=mask_strings(seen["allowed"][i][:p + 1]), drafted=drafted[i, :p].tolist(),
-                target_argmax=choice[i, :p + 1].tolist(), draft_limit=p, cap=round_cap(opt, round_index),
+                target_argmax=choice[i, :p + 1].tolist(), draft_limit=p, cap=opt.k,
                 limit=int(limit[i]),
                 draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]), committed=committed[i],
                 finished=bool(hit_eos[i] or n[i] == remaining[i])))
@@ -224,13 +219,6 @@ def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: 
                     found += check_row_kv(draft, row.draft_kv, row.tokens, row.draft_pending, i, "draft cache")
         raise_if(found, round_index)
     return accepted, k_round, proposed
-
-
-def round_cap(opt: Options, round_index: int) -> int:
-    """The round's cap on proposal lengths: the recorded cap of a fast engine's round, else k."""
-    if opt.caps is not None and round_index - 1 < len(opt.caps) and opt.caps[round_index - 1] is not None:
-        return int(opt.caps[round_index - 1])
-    return opt.k
 
 
 def forward_slots(model, cache, rows, q_index, tokens, window):
@@ -266,8 +254,7 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
     """One round over the active slot rows `rows`; commits in place at each row's own offset."""
     content = state.content_len[rows].copy()
     remaining = state.budget_end[rows] - content
-    clamp = np.minimum(opt.k, remaining - 1) if draft is not None else np.zeros(len(rows), dtype=np.int64)
-    limit = np.minimum(clamp, round_cap(opt, round_index))
+    limit = np.minimum(opt.k, remaining - 1) if draft is not None else np.zeros(len(rows), dtype=np.int64)
     found = []
     drafted, confidence, proposed = (np.zeros((len(rows), 0), dtype=np.int64), np.zeros((len(rows), 0)),
                                      np.zeros(len(rows), dtype=np.int64))
@@ -311,7 +298,7 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
                 tokens=state.content(row), pad_len=0, content_len=int(content[i]),
                 positions=seen["positions"][i][:p + 1].tolist(), mask=mask_strings(seen["allowed"][i][:p + 1]),
                 drafted=drafted[i, :p].tolist(), target_argmax=choice[i, :p + 1].tolist(), draft_limit=p,
-                cap=round_cap(opt, round_index), limit=int(limit[i]), draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]),
+                cap=opt.k, limit=int(limit[i]), draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]),
                 committed=committed[i], finished=bool(hit_eos[i] or n[i] == remaining[i])))
     ragged_commit(state, rows, committed)
     state.target_pending[rows] = 1
@@ -345,7 +332,8 @@ def move_slot(state: RaggedState, caches, src: int, dst: int) -> None:
             keys[dst], values[dst] = keys[src], values[src]
 
 
-def _new_rows(prompts, max_new, requests, target, draft, opt):
+def new_rows(prompts, max_new, requests, target, draft, opt) -> list[Row]:
+    """Rows for newly admitted requests, each prefilled alone (content[:-1] into both caches)."""
     if not requests:
         return []
     rows = [Row(r, list(prompts[r]), len(prompts[r]), max_new[r]) for r in requests]
@@ -356,139 +344,3 @@ def _new_rows(prompts, max_new, requests, target, draft, opt):
         for row, kv in zip(rows, prefill(draft, prefixes, opt.pad_id, opt.window)):
             row.draft_kv = kv
     return rows
-
-
-def generate(target, draft, prompts, *, max_new_tokens=None, k: int | None = None, eos_ids=(),
-             strategy: str | None = None, batch_size: int | None = None, pad_id: int = 0, window: int | None = None,
-             pool_window: int | None = None, max_wait: int | None = None, arrival=None, check: bool = False,
-             trace=None, threshold: float = 0.0, floor: float | None = None, caps=None) -> ReferenceResult:
-    """Reference batch speculative decoding; `draft=None` is target-only decoding.
-
-    max_new_tokens, k (num_draft_tokens), strategy, batch_size, pool_window and max_wait default to
-    specbatch.options.defaults(), the torch engine's defaults.
-    max_new_tokens: int or one per prompt. arrival: the order requests are submitted (default:
-    input order); results always come back in input order (S2). threshold: the proposal rule's
-    confidence threshold (I7; 0: every row proposes its whole limit); floor: the step that stops a row
-    proposes its token too when its confidence is >= floor (None: never); caps: each round's cap on
-    proposal lengths (default k every round)."""
-    d = defaults()
-    max_new_tokens = d.max_new_tokens if max_new_tokens is None else max_new_tokens
-    k = d.num_draft_tokens if k is None else k
-    strategy = d.strategy if strategy is None else strategy
-    batch_size = d.batch_size if batch_size is None else batch_size
-    pool_window = d.pool_window if pool_window is None else pool_window
-    max_wait = d.max_wait if max_wait is None else max_wait
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
-    opt = Options(k=k if draft is not None else 0, eos_ids=tuple(eos_ids), pad_id=pad_id, window=window, check=check,
-                  threshold=threshold, floor=floor, caps=caps)
-    count = len(prompts)
-    max_new = [max_new_tokens] * count if np.isscalar(max_new_tokens) else list(max_new_tokens)
-    order = list(range(count)) if arrival is None else list(arrival)
-    results: dict = {}
-    stats = dict(rounds=0, drafted_tokens=0, accepted_tokens=0, generated_tokens=0, grouped_rounds=0,
-                 fallback_rounds=0, max_waited=0)
-    writer = None
-    if trace is not None:
-        writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy,
-                             eos_token_ids=opt.eos_ids, max_new_tokens=max_new, num_requests=count,
-                             window=window, num_draft_tokens=opt.k, draft_threshold=threshold,
-                             draft_floor=threshold if floor is None else floor)
-
-    def account(accepted, n, proposed, trace_rows):
-        stats["rounds"] += 1
-        stats["drafted_tokens"] += int(np.sum(proposed))
-        stats["accepted_tokens"] += int(np.sum(accepted))
-        stats["generated_tokens"] += int(np.sum(n))
-        if writer is not None:
-            writer.round(stats["rounds"], trace_rows)
-
-    if strategy == "eqspec":
-        batches = FixedBatches(batch_size)
-        for r in order:
-            batches.submit(r)
-        live: dict = {}
-        while batches.queue or batches.running:
-            admitted = batches.next_batch()
-            for row in _new_rows(prompts, max_new, admitted, target, draft, opt):
-                live[row.request] = row
-            rows = [live[r] for r in batches.running]
-            stats["grouped_rounds" if len({r.key for r in rows}) == 1 else "fallback_rounds"] += 1
-            trace_rows = [] if writer is not None else None
-            lens = np.array([len(r.tokens) for r in rows])
-            accepted, k_round, proposed = rect_round(rows, target, draft, opt, stats["rounds"] + 1, trace_rows)
-            account(accepted, np.array([len(r.tokens) for r in rows]) - lens, proposed, trace_rows)
-            finished = [r.request for r in rows if r.stop_reason is not None]
-            for r in finished:
-                results[r] = live.pop(r)
-            batches.finish(finished)
-            if check:
-                raise_if(check_conservation(range(count), batches.members()), stats["rounds"])
-    elif strategy == "exspec":
-        pool = ExspecPool(batch_size, window=pool_window or 4 * batch_size, max_wait=max_wait)
-        for r in order:
-            pool.submit(r)
-        live = {}
-        while pool.queue or pool.pool:
-            admitted = pool.admit()
-            for row in _new_rows(prompts, max_new, admitted, target, draft, opt):
-                live[row.request] = row
-                pool.enter(row.request, row.key)
-            chosen, grouped = pool.select()
-            stats["grouped_rounds" if grouped else "fallback_rounds"] += 1
-            stats["max_waited"] = max([stats["max_waited"]] + [r.waited for r in pool.pool])
-            rows = [live[r] for r in chosen]
-            trace_rows = [] if writer is not None else None
-            lens = np.array([len(r.tokens) for r in rows])
-            accepted, k_round, proposed = rect_round(rows, target, draft, opt, stats["rounds"] + 1, trace_rows)
-            account(accepted, np.array([len(r.tokens) for r in rows]) - lens, proposed, trace_rows)
-            finished = {r.request for r in rows if r.stop_reason is not None}
-            for r in finished:
-                results[r] = live.pop(r)
-            pool.finish_round({r.request: r.key for r in rows}, finished)
-            if check:
-                raise_if(check_conservation(range(count), pool.members()), stats["rounds"])
-    else:
-        capacity = max(len(p) for p in prompts) + max(max_new) + opt.k + 1
-        state = RaggedState.empty(batch_size, capacity)
-        caches = {name: [(np.zeros((batch_size, capacity, m.dim)), np.zeros((batch_size, capacity, m.dim)))
-                         for _ in range(m.n_layers)]
-                  for name, m in (("target", target), ("draft", draft)) if m is not None}
-        slots = SlotQueue(batch_size)
-        for r in order:
-            slots.submit(r)
-        while slots.queue or any(o >= 0 for o in slots.owner):
-            placed = slots.refill()
-            if placed:
-                new_rows = _new_rows(prompts, max_new, [r for _, r in placed], target, draft, opt)
-                for (slot, r), row in zip(placed, new_rows):
-                    state.tokens[slot, :len(row.tokens)] = row.tokens
-                    state.content_len[slot], state.request[slot] = len(row.tokens), r
-                    state.target_pending[slot] = state.draft_pending[slot] = 1
-                    state.prompt_len[slot], state.budget_end[slot] = len(row.tokens), len(row.tokens) + max_new[r]
-                    for name, kv in (("target", row.target_kv), ("draft", row.draft_kv)):
-                        for layer, (k_, v_) in enumerate(kv):
-                            caches[name][layer][0][slot, :len(k_)] = k_
-                            caches[name][layer][1][slot, :len(v_)] = v_
-            for src, dst in slots.compact():  # running rows stay in slots 0..R-1
-                move_slot(state, caches, src, dst)
-            rows = np.nonzero(state.active)[0]
-            trace_rows = [] if writer is not None else None
-            accepted, n, hit_eos, k_round, proposed = ragged_round(state, caches, rows, target, draft, opt,
-                                                                   stats["rounds"] + 1, trace_rows)
-            account(accepted, n, proposed, trace_rows)
-            for i, slot in enumerate(rows):
-                if hit_eos[i] or state.content_len[slot] == state.budget_end[slot]:
-                    r = int(state.request[slot])
-                    results[r] = Row(r, state.content(slot), int(state.prompt_len[slot]), 0,
-                                     stop_reason="eos" if hit_eos[i] else "length")
-                    slots.release(slot)
-                    state.request[slot] = -1
-            if check:
-                raise_if(check_conservation(range(count), slots.members()), stats["rounds"])
-
-    sequences = [results[r].tokens[results[r].prompt_len:] for r in range(count)]
-    stop_reasons = [results[r].stop_reason for r in range(count)]
-    if writer is not None:
-        writer.results(sequences, stop_reasons)
-    return ReferenceResult(sequences, stop_reasons, stats)

@@ -1,8 +1,9 @@
 """specbatch: batch speculative decoding that is provably output-equivalent.
 
 `specbatch.generate` (torch engine), `specbatch.load` (a target and draft by name),
-`specbatch.GenerateOptions` (every default), `specbatch.reference` (NumPy reference),
-`specbatch.invariants` (checkers and trace format), `specbatch.fast` (the torch engine's parts).
+`specbatch.GenerateOptions` (every default), `specbatch.STRATEGIES` (name -> strategy class),
+`specbatch.reference` (NumPy reference), `specbatch.invariants` (checkers and trace format),
+`specbatch.fast` (the torch engine's parts).
 Every exception specbatch raises on purpose is a `specbatch.SpecbatchError`.
 """
 from .errors import SpecbatchError, UserError

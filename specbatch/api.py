@@ -1,7 +1,6 @@
 """`specbatch.generate`: batch speculative decoding on any pair of Hugging Face causal LMs."""
 from __future__ import annotations
 
-import functools
 import numbers
 import time
 
@@ -17,12 +16,11 @@ from .fast.sampling import make_chooser
 from .fast.models import ModelRunner, abilities_of, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
 from .invariants import TraceWriter
 from .tensor_parallel import clock_agreement
-from .options import (STRATEGIES, GenerateOptions, check_arrivals, check_choice, check_logit_bias, check_options,
+from .options import (GenerateOptions, check_arrivals, check_choice, check_logit_bias, check_options,
                       check_stop, check_token_id, check_token_ids, per_prompt, resolve,
                       stops_per_prompt)
+from .fast.strategies import BROKEN, STRATEGIES
 from .reference.processors import Processors, stop_text
-
-BROKEN = ("bsp-like", "dsd-like")  # deliberately wrong: generate_variant (bench, tests) only
 
 
 def decode_text(tokens, tokenizer) -> str:
@@ -124,7 +122,6 @@ def generate(target, draft, prompts, options: GenerateOptions | None = None, *, 
     an unknown option name raises TypeError.
     """
     opts, floor_chosen = resolve(options, settings)
-    check_choice("strategy", opts.strategy, STRATEGIES)
     return _generate(target, draft, prompts, opts, floor_chosen, eos_token_id=eos_token_id,
                      pad_token_id=pad_token_id, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
                      check_invariants=check_invariants, trace=trace, progress=progress, on_result=on_result,
@@ -134,7 +131,7 @@ def generate(target, draft, prompts, options: GenerateOptions | None = None, *, 
 def generate_variant(target, draft, prompts, *, variant: str, **settings) -> GenerationResult:
     """The deliberately broken bsp-like / dsd-like variants (bench's correctness table and the tests
     that show the checkers catch them), with generate's arguments. Never for real outputs."""
-    check_choice("variant", variant, BROKEN)
+    check_choice("variant", variant, tuple(BROKEN))
     call = {name: settings.pop(name) for name in list(settings) if name not in GenerateOptions.names()}
     opts, floor_chosen = resolve(None, settings)
     return _generate(target, draft, prompts, opts, floor_chosen, variant=variant, **call)
@@ -148,6 +145,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
         raise ValueError("prompts must be a non-empty list of token-id lists (or strings with tokenizer=)")
     opts = check_options(opts, len(prompts), floor_chosen)
     strategy = variant or opts.strategy
+    runner = {**STRATEGIES, **BROKEN}[strategy](opts)
     temperature, top_k, top_p, seed, sampling = opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.sampling
     num_draft_tokens, batch_size, max_new_tokens = opts.num_draft_tokens, opts.batch_size, opts.max_new_tokens
     agree = clock_agreement(target)  # None unless the target is sharded (tensor parallelism)
@@ -157,9 +155,10 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
             raise ValueError("arrivals= follow the clock, which the ranks of a tensor-parallel target do not share; "
                              "run latency benchmarks with the target held whole")
     check_pair(target, draft, tokenizer, draft_tokenizer)
-    if draft is not None and abilities_of(draft).reads_features and strategy != "ragged":
+    if draft is not None and abilities_of(draft).reads_features and not runner.keeps_features:
+        keeping = ", ".join(repr(name) for name, cls in STRATEGIES.items() if cls.keeps_features)
         raise ValueError(f"the draft reads the target's features (a feature draft, fast.feature_draft); only "
-                         f"strategy='ragged' keeps them, got strategy={strategy!r}")
+                         f"strategy={keeping} keeps them, got strategy={strategy!r}")
     from .fast.models import vocab_size
     vocab = vocab_size(target)
     if eos_token_id is not None:
@@ -208,7 +207,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     if policy == "fixed":
         threshold = floor = 0.0
     if trace is not None:
-        writer = TraceWriter(trace, layout="ragged" if strategy == "ragged" else "rectangular", strategy=strategy,
+        writer = TraceWriter(trace, layout=runner.layout, strategy=strategy,
                              eos_token_ids=eos_ids, max_new_tokens=max_new, num_requests=len(ids), window=window,
                              num_draft_tokens=k, draft_threshold=threshold, draft_floor=floor)
     backend = for_device(device)
@@ -242,17 +241,13 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     start = time.perf_counter()
     settings.arrivals = Arrivals(len(ids), arrivals)
     clock = Clock(stats, device, agree)
-    from .fast.strategies import broken, eqspec, exspec, ragged
-    run = {"eqspec": eqspec.run, "ragged": ragged.run, "bsp-like": broken.run_bsp_like,
-           "dsd-like": broken.run_dsd_like,
-           "exspec": functools.partial(exspec.run, pool_window=opts.pool_window, max_wait=opts.max_wait)}[strategy]
     whole = held_whole(target, draft)  # a tensor-parallel target keeps its sharded layers (fast.backend)
     try:
         with torch.inference_mode(), engine_attention(target, draft, fused=not backend.grouped_attention), \
                 compiled_blocks(*whole, enabled=opts.compile) as compiled, \
                 prepacked_linears(*whole, *leans, enabled=opts.prepack and backend.prepack_linears,
                                   skip=list(compiled) + [m for lean in leans for m in lean.replaced]):
-            run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
+            runner.run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
     finally:  # an error (or Ctrl-C) leaves no half-drawn bar in front of its message
         if bar is not None:
             bar.close()

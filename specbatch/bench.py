@@ -33,15 +33,18 @@ import torch
 from . import calibration
 from .errors import UserError
 from .machine import describe_machine
-from .options import STRATEGIES, GenerateOptions
+from .options import GenerateOptions, strategy_names
 from .prepare import encode_prompts, load, read_prompt_file
 
 SHIPPED_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"  # bench's default prompt file
 
-SPEC_METHODS = STRATEGIES
 BROKEN_METHODS = ("bsp-like", "dsd-like")  # deliberately broken variants: the correctness table
 BATCH_ONE = ("spec1", "hf-assisted")
-KNOWN = ("ar",) + BATCH_ONE + SPEC_METHODS + BROKEN_METHODS
+
+
+def known_methods() -> tuple:
+    """Every method bench runs: each registered strategy (fast.strategies.STRATEGIES) is one."""
+    return ("ar",) + BATCH_ONE + strategy_names() + BROKEN_METHODS
 
 
 def hf_assisted(target, draft, ids, max_new, k, eos_ids):
@@ -78,7 +81,7 @@ def run_method(method, batch, target, draft, ids, opts: GenerateOptions, eos_ids
     if method == "hf-assisted":
         return hf_assisted(target, draft, ids, opts.max_new_tokens, opts.num_draft_tokens, eos_ids)
     # ar: target-only decoding through the ragged engine, the same forward path and options as every method
-    strategy = method if method in SPEC_METHODS else ("ragged" if method == "ar" else "eqspec")
+    strategy = method if method in strategy_names() else ("ragged" if method == "ar" else "eqspec")
     run = dataclasses.replace(opts, strategy=strategy, batch_size=1 if method == "spec1" else batch)
     if method in BROKEN_METHODS:  # they reproduce published mistakes, which drafted k tokens in every row
         from .api import generate_variant
@@ -264,7 +267,7 @@ def arrival_bench(target, draft, ids, args, opts: GenerateOptions, batch: int, m
     gaps = np.random.default_rng(0).exponential(1.0 / args.arrival_rate, len(ids))
     arrivals = np.cumsum(gaps) - gaps[0]
     rows = []
-    for method in [m for m in methods if m in ("ar",) + SPEC_METHODS]:
+    for method in [m for m in methods if m in ("ar",) + strategy_names()]:
         print(f"[arrivals] {method} batch {batch}", file=sys.stderr)
         run = dataclasses.replace(opts, batch_size=batch, strategy="ragged" if method == "ar" else method)
         result = specbatch.generate(target, None if method == "ar" else draft, ids, run, arrivals=list(arrivals),
@@ -367,9 +370,9 @@ def run_bench(args, opts: GenerateOptions) -> int:
     import specbatch
     from .fast.models import eos_ids_of
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in KNOWN]
+    unknown = [m for m in methods if m not in known_methods()]
     if unknown:
-        raise UserError(f"unknown method {unknown[0]!r}; expected some of {', '.join(KNOWN)}")
+        raise UserError(f"unknown method {unknown[0]!r}; expected some of {', '.join(known_methods())}")
     prompt_file = args.prompts or SHIPPED_PROMPTS
     prompts = select_prompts(prompt_file, args.per_category)[:args.limit]
     peer_data = [(path, *read_peer(path, [ident for ident, _ in prompts], UserError)) for path in args.compare or []]
@@ -431,7 +434,7 @@ def run_bench(args, opts: GenerateOptions) -> int:
         r["vs_ar_runs"] = paired_ratios(runs[(r["method"], r["batch"])], runs.get(("ar", r["batch"]), []))
         r["vs_ar_median"] = statistics.median(r["vs_ar_runs"]) if r["vs_ar_runs"] else None
         r["vs_spec1"] = r["tokens_per_second"] / spec1["tokens_per_second"] if spec1 else None
-    rows.sort(key=lambda r: (r["batch"], KNOWN.index(r["method"])))
+    rows.sort(key=lambda r: (r["batch"], known_methods().index(r["method"])))
     machine = describe_machine(opts.device)
     setup = dict(target=args.target, draft=args.draft, prompts=str(prompt_file), num_prompts=len(ids),
                  per_category=args.per_category, limit=args.limit, chat_template=args.chat_template,

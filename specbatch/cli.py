@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from .errors import UserError
-from .options import (DTYPES, SAMPLING_MODES, STRATEGIES, GenerateOptions, OptionError, check_arrival_rate,
-                      check_logit_bias, check_real, check_seed, check_temperature, check_top_p, defaults)
+from .options import (DTYPES, SAMPLING_MODES, GenerateOptions, OptionError, check_arrival_rate,
+                      check_logit_bias, check_real, check_seed, check_temperature, check_top_p, defaults,
+                      strategy_names)
 from .demo import DEMO_DRAFT
 from .prepare import encode_prompts, load, read_prompt_file, run_generate
 
@@ -756,7 +757,7 @@ def add_model_args(p, draft_default=None, command=None):
 # How each GenerateOptions field becomes a flag: (argparse keywords); the help text and the default
 # come from the field itself (GenerateOptions.help), so they cannot drift from the API's.
 FLAGS = {
-    "strategy": dict(choices=STRATEGIES),
+    "strategy": dict(),  # choices: strategy_names() when the parser is built, so registered strategies count
     "num_draft_tokens": dict(type=positive_int),
     "batch_size": dict(type=positive_int),
     "max_new_tokens": dict(type=positive_int),
@@ -799,7 +800,7 @@ def add_options(p, names, command=None):
             p.add_argument("--compile", action="store_true", default=None, help=text.replace("%", "%%"))
         else:
             p.add_argument("--" + name.replace("_", "-"), default=None, help=text.replace("%", "%%"),
-                           **FLAGS[name])
+                           **(dict(choices=strategy_names()) if name == "strategy" else FLAGS[name]))
 
 
 def options_from_args(args, command=None) -> tuple[GenerateOptions, dict]:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 from .errors import SpecbatchError
 
-STRATEGIES = ("eqspec", "exspec", "ragged")  # the public strategies (the broken variants are bench-only)
 SAMPLING_MODES = ("rejection", "coupled")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 SEED_LIMIT = 2**63  # seeds are int64 keys of the counter-based generator (fast.rng)
@@ -169,6 +168,13 @@ def check_seed(value, count: int | None = None):
     return check_int("seed", value, 0, SEED_LIMIT - 1)
 
 
+def strategy_names() -> tuple:
+    """The strategies the torch engine has (fast.strategies.STRATEGIES: its registry, imported here
+    only when asked, so that the NumPy reference can read the defaults without torch)."""
+    from .fast.strategies import STRATEGIES
+    return tuple(STRATEGIES)
+
+
 def check_choice(what: str, value, choices) -> str:
     if value not in choices:
         raise OptionError(f"unknown {what} {value!r}; expected one of {', '.join(map(repr, choices))}")
@@ -178,7 +184,7 @@ def check_choice(what: str, value, choices) -> str:
 def check_options(o: GenerateOptions, num_prompts: int, floor_chosen: bool = True) -> GenerateOptions:
     """Every field of `o` in range (OptionError naming the first that is not); returns `o` with the
     draft floor lowered to the threshold where the floor is the default and the threshold is lower."""
-    check_choice("strategy", o.strategy, STRATEGIES)
+    check_choice("strategy", o.strategy, strategy_names())
     check_choice("sampling mode", o.sampling, SAMPLING_MODES)
     check_choice("dtype", o.dtype, DTYPES)
     check_int("num_draft_tokens", o.num_draft_tokens)

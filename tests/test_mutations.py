@@ -1,5 +1,5 @@
 """Mutation tests: the known broken variants of published implementations, built on the reference
-engine, must each be rejected by the checkers with the right invariant id, live (check=True) and,
+engine, must each be rejected by the checkers with the right invariant id, live (check_invariants=True) and,
 where the trace shows it, by check_trace / `specbatch check-trace`."""
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ import specbatch.reference.engine as engine
 from reference_cases import TARGET, VOCAB
 from specbatch.cli import main
 from specbatch.invariants import InvariantError, check_trace
-from specbatch.reference import RectState, ScriptedDraft, deviate_hashed
+from specbatch.reference import RectState, ScriptedDraft, deviate_hashed, generate
 
 PAD = EOS = 3
 PROMPTS = [[5, PAD, 7, 1], [2], [9, 9, PAD, PAD, 4, 6, 8], [PAD, 1, 2]]  # pad id inside content, pad == eos
@@ -90,8 +90,8 @@ MUTANTS = [  # (mutant, draft, invariant the live checkers report, invariant che
 
 def run(draft, **kw):
     eos = _eos_hit_by_target()
-    return engine.generate(TARGET, draft, PROMPTS, max_new_tokens=16, k=3, eos_ids=(PAD, eos), pad_id=PAD,
-                           strategy="eqspec", batch_size=4, **kw)
+    return generate(TARGET, draft, PROMPTS, max_new_tokens=16, num_draft_tokens=3, eos_token_id=(PAD, eos),
+                    pad_token_id=PAD, strategy="eqspec", batch_size=4, **kw)
 
 
 def _eos_hit_by_target():
@@ -101,7 +101,7 @@ def _eos_hit_by_target():
 
 
 def test_the_correct_engine_passes_every_check(tmp_path):
-    run(DRAFT, check=True, trace=tmp_path / "ok.jsonl")
+    run(DRAFT, check_invariants=True, trace=tmp_path / "ok.jsonl")
     assert check_trace(tmp_path / "ok.jsonl") == []
     assert main(["check-trace", str(tmp_path / "ok.jsonl")]) == 0
 
@@ -110,7 +110,7 @@ def test_the_correct_engine_passes_every_check(tmp_path):
 def test_live_checkers_reject_the_broken_variant(monkeypatch, mutant, draft, live_id, trace_id):
     mutant(monkeypatch)
     with pytest.raises(InvariantError) as caught:
-        run(draft, check=True)
+        run(draft, check_invariants=True)
     assert caught.value.invariant == live_id, str(caught.value)
 
 

@@ -246,13 +246,15 @@ def test_reference_with_scripted_confidences_equals_greedy(strategy):
     prompts = [RNG.integers(0, VOCAB, n).tolist() for n in (1, 7, 19, 4)]
     want = [greedy_decode(target, p, 10, (EOS,)) for p in prompts]
     draft = RefScripted(target, deviate_hashed(3, 0.2), confidence=confidence_hashed(2))
-    result = reference_generate(target, draft, prompts, max_new_tokens=10, k=4, eos_ids=(EOS,), strategy=strategy,
-                                batch_size=3, check=True, threshold=0.5)
+    result = reference_generate(target, draft, prompts, max_new_tokens=10, num_draft_tokens=4, eos_token_id=EOS,
+                                strategy=strategy, batch_size=3, check_invariants=True, policy="threshold",
+                                draft_threshold=0.5, draft_floor=0.5)
     assert result.sequences == want
-    fixed = reference_generate(target, draft, prompts, max_new_tokens=10, k=4, eos_ids=(EOS,), strategy=strategy,
-                               batch_size=3)
+    fixed = reference_generate(target, draft, prompts, max_new_tokens=10, num_draft_tokens=4, eos_token_id=EOS,
+                               strategy=strategy, batch_size=3, policy="fixed")
     assert fixed.sequences == want and result.stats["drafted_tokens"] < fixed.stats["drafted_tokens"]
-    floored = reference_generate(target, draft, prompts, max_new_tokens=10, k=4, eos_ids=(EOS,), strategy=strategy,
-                                 batch_size=3, check=True, threshold=0.5, floor=0.2)
+    floored = reference_generate(target, draft, prompts, max_new_tokens=10, num_draft_tokens=4, eos_token_id=EOS,
+                                 strategy=strategy, batch_size=3, check_invariants=True, policy="threshold",
+                                 draft_threshold=0.5, draft_floor=0.2)
     assert floored.sequences == want
     assert result.stats["drafted_tokens"] < floored.stats["drafted_tokens"] < fixed.stats["drafted_tokens"]

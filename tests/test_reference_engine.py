@@ -13,9 +13,9 @@ from profiles import examples
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @given(case=cases())
 def test_every_strategy_equals_greedy_decoding_with_invariants_checked_every_round(strategy, case):
-    result = generate(TARGET, case["draft"], case["prompts"], max_new_tokens=case["max_new_tokens"], k=case["k"],
-                      eos_ids=case["eos_ids"], strategy=strategy, batch_size=case["batch_size"],
-                      pad_id=case["pad_id"], check=True)
+    result = generate(TARGET, case["draft"], case["prompts"], max_new_tokens=case["max_new_tokens"], num_draft_tokens=case["k"],
+                      eos_token_id=case["eos_ids"], strategy=strategy, batch_size=case["batch_size"],
+                      pad_token_id=case["pad_id"], check_invariants=True)
     want = oracle(case["prompts"], case["max_new_tokens"], case["eos_ids"])
     assert check_outputs(result.sequences, want) == []
     budgets = case["max_new_tokens"]
@@ -29,19 +29,19 @@ def test_every_strategy_equals_greedy_decoding_with_invariants_checked_every_rou
 @settings(max_examples=examples(15))
 def test_results_do_not_depend_on_batch_size_window_or_arrival_order(strategy, case, data):
     """S4 (and S2: results in input order whatever the arrival order)."""
-    base = generate(TARGET, case["draft"], case["prompts"], max_new_tokens=case["max_new_tokens"], k=case["k"],
-                    eos_ids=case["eos_ids"], strategy=strategy, batch_size=1, pad_id=case["pad_id"])
+    base = generate(TARGET, case["draft"], case["prompts"], max_new_tokens=case["max_new_tokens"], num_draft_tokens=case["k"],
+                    eos_token_id=case["eos_ids"], strategy=strategy, batch_size=1, pad_token_id=case["pad_id"])
     arrival = data.draw(st.permutations(range(len(case["prompts"]))))
-    other = generate(TARGET, case["draft"], case["prompts"], max_new_tokens=case["max_new_tokens"], k=case["k"],
-                     eos_ids=case["eos_ids"], strategy=strategy, batch_size=data.draw(st.integers(2, 12)),
-                     pad_id=case["pad_id"], pool_window=data.draw(st.integers(1, 30)),
-                     max_wait=data.draw(st.integers(0, 6)), arrival=arrival)
+    other = generate(TARGET, case["draft"], case["prompts"], max_new_tokens=case["max_new_tokens"], num_draft_tokens=case["k"],
+                     eos_token_id=case["eos_ids"], strategy=strategy, batch_size=data.draw(st.integers(2, 12)),
+                     pad_token_id=case["pad_id"], pool_window=data.draw(st.integers(1, 30)),
+                     max_wait=data.draw(st.integers(0, 6)), arrival_order=arrival)
     assert check_composition(other.sequences, base.sequences) == []
 
 
 def test_self_draft_commits_k_plus_one_tokens_per_round():
     prompts = [[1, 2, 3], [4, 5, 6]]
-    result = generate(TARGET, TARGET, prompts, max_new_tokens=12, k=3, strategy="eqspec", batch_size=2)
+    result = generate(TARGET, TARGET, prompts, max_new_tokens=12, num_draft_tokens=3, strategy="eqspec", batch_size=2)
     assert result.stats["rounds"] == 3  # 12 tokens / (k + 1)
     assert result.stats["accepted_tokens"] == result.stats["drafted_tokens"]
 
@@ -49,14 +49,14 @@ def test_self_draft_commits_k_plus_one_tokens_per_round():
 def test_scripted_draft_produces_the_acceptance_pattern_asked_for():
     # prompt of 4 tokens: the first round drafts content indices 4..7; deviating at index 6 accepts 2
     draft = ScriptedDraft(TARGET, deviate_at([6]))
-    result = generate(TARGET, draft, [[1, 2, 3, 4]], max_new_tokens=3, k=4, check=True)
+    result = generate(TARGET, draft, [[1, 2, 3, 4]], max_new_tokens=3, num_draft_tokens=4, check_invariants=True)
     assert result.stats["accepted_tokens"] == 2 and result.stats["rounds"] == 1
 
 
 def test_exspec_groups_equal_lengths_and_bounds_waiting():
     prompts = [[1] * 5, [2] * 5, [3] * 9, [4] * 5, [5] * 2]
     result = generate(TARGET, None, prompts, max_new_tokens=6, strategy="exspec", batch_size=3, max_wait=2,
-                      check=True)
+                      check_invariants=True)
     assert result.stats["grouped_rounds"] > 0
     assert result.stats["max_waited"] <= 2 + 2  # max_wait + ceil(window / batch)
     assert result.sequences == oracle(prompts, 6, ())

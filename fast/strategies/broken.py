@@ -14,12 +14,10 @@ Never use them for anything else: only `specbatch.api.generate_variant` runs the
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
-from .eqspec import RectBatch, run as run_eqspec
+from .eqspec import Eqspec, RectBatch
 
 
 class BspLikeBatch(RectBatch):
@@ -49,5 +47,9 @@ class DsdLikeBatch(RectBatch):
         self.tokens = tokens[rows][:, -self.width:]  # ...but the token layout is never unpadded
 
 
-run_bsp_like = functools.partial(run_eqspec, batch_class=BspLikeBatch)
-run_dsd_like = functools.partial(run_eqspec, batch_class=DsdLikeBatch)
+class BspLike(Eqspec):
+    batch_class = BspLikeBatch
+
+
+class DsdLike(Eqspec):
+    batch_class = DsdLikeBatch

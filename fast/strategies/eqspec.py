@@ -182,27 +182,33 @@ class RectBatch:
         return found
 
 
-def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done,
-        batch_class=None):
+class Eqspec:
     """EQSPEC over all requests: fixed batches of up to `batch_size` requests in arrival (input)
-    order; a finished row leaves its batch at once (no zombie rows). batch_class: RectBatch, or a
-    deliberately broken subclass (strategies.broken) for the bench's correctness table."""
-    arrivals = settings.arrivals or Arrivals(len(prompts))
-    batches = FixedBatches(batch_size)  # the reference's scheduler (reference.pool)
-    round_index = 0
-    while arrivals.pending() or batches.queue:
-        for r in arrivals.due():
-            batches.submit(r)
-        if not batches.queue:
-            arrivals.wait()
-            continue
-        requests = batches.next_batch()
-        batch = (batch_class or RectBatch).prefill([prompts[r] for r in requests], requests,
-                                                   [max_new[r] for r in requests], target, draft, settings, stats, clock)
-        while batch.size:
-            round_index += 1
-            finished = []
-            for done in batch.round(round_index):
-                on_done(*done)
-                finished.append(done[0])
-            batches.finish(finished)
+    order; a finished row leaves its batch at once (no zombie rows)."""
+    layout = "rectangular"
+    keeps_features = False
+    batch_class = RectBatch  # a deliberately broken subclass in strategies.broken
+
+    def __init__(self, options=None):
+        pass
+
+    def run(self, target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):
+        arrivals = settings.arrivals or Arrivals(len(prompts))
+        batches = FixedBatches(batch_size)  # the reference's scheduler (reference.pool)
+        round_index = 0
+        while arrivals.pending() or batches.queue:
+            for r in arrivals.due():
+                batches.submit(r)
+            if not batches.queue:
+                arrivals.wait()
+                continue
+            requests = batches.next_batch()
+            batch = self.batch_class.prefill([prompts[r] for r in requests], requests, [max_new[r] for r in requests],
+                                             target, draft, settings, stats, clock)
+            while batch.size:
+                round_index += 1
+                finished = []
+                for done in batch.round(round_index):
+                    on_done(*done)
+                    finished.append(done[0])
+                batches.finish(finished)

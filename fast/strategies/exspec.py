@@ -94,47 +94,55 @@ def stack(rows: list[PooledRow], target, draft, settings: Settings, stats: Stats
                      draft_cache=_stacked_cache([r.draft_kv for r in rows], list(np.maximum(content - pending, 0))))
 
 
-def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done,
-        pool_window: int | None = None, max_wait: int = 4):
-    pool = ExspecPool(batch_size, window=pool_window or 4 * batch_size, max_wait=max_wait)
-    arrivals = settings.arrivals or Arrivals(len(prompts))
-    stored: dict = {}
-    batch, grouped_rounds, fallbacks = None, 0, 0
-    round_index = 0
-    while arrivals.pending() or pool.queue or pool.pool:
-        for r in arrivals.due():
-            pool.submit(r)
-        if not pool.queue and not pool.pool:
-            arrivals.wait()
-            continue
-        admitted = pool.admit()
-        if admitted:  # prefilled on their own, in one batch, then split into the pool
-            new = RectBatch.prefill([prompts[r] for r in admitted], admitted, [max_new[r] for r in admitted], target,
-                                    draft, settings, stats, clock)
+class Exspec:
+    """EXSPEC: rows wait in a pool between rounds; each round stacks the largest group of rows with
+    equal lengths (reference.pool.ExspecPool: options' pool_window and max_wait)."""
+    layout = "rectangular"
+    keeps_features = False
+
+    def __init__(self, options):
+        self.pool_window, self.max_wait = options.pool_window, options.max_wait
+
+    def run(self, target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):
+        pool = ExspecPool(batch_size, window=self.pool_window or 4 * batch_size, max_wait=self.max_wait)
+        arrivals = settings.arrivals or Arrivals(len(prompts))
+        stored: dict = {}
+        batch, grouped_rounds, fallbacks = None, 0, 0
+        round_index = 0
+        while arrivals.pending() or pool.queue or pool.pool:
+            for r in arrivals.due():
+                pool.submit(r)
+            if not pool.queue and not pool.pool:
+                arrivals.wait()
+                continue
+            admitted = pool.admit()
+            if admitted:  # prefilled on their own, in one batch, then split into the pool
+                new = RectBatch.prefill([prompts[r] for r in admitted], admitted, [max_new[r] for r in admitted], target,
+                                        draft, settings, stats, clock)
+                with clock("time_align"):
+                    for row in unstack(new):
+                        stored[row.request] = row
+                        pool.enter(row.request, row.key)
             with clock("time_align"):
-                for row in unstack(new):
-                    stored[row.request] = row
-                    pool.enter(row.request, row.key)
-        with clock("time_align"):
-            chosen, grouped = pool.select()
-            if batch is None or list(batch.request) != chosen:
-                if batch is not None:
-                    stored.update({row.request: row for row in unstack(batch)})
-                batch = stack([stored.pop(r) for r in chosen], target, draft, settings, stats, clock)
-        grouped_rounds += grouped
-        fallbacks += not grouped
-        round_index += 1
-        finished = set()
-        for done in batch.round(round_index):
-            on_done(*done)
-            finished.add(done[0])
-        with clock("time_align"):
-            keys = {int(r): (int(c), 1, int(batch.width - cache_width(batch.draft_cache)) if draft is not None else 1)
-                    for r, c in zip(batch.request, batch.content_len)}
-            pool.finish_round(keys, finished)
-            if batch.size == 0:
-                batch = None
-        if settings.check:
-            raise_if(check_conservation(range(arrivals.released), pool.members()), round_index)
-    stats.extra.update(grouped_rounds=grouped_rounds, fallback_rounds=fallbacks,
-                       group_rate=grouped_rounds / max(round_index, 1))
+                chosen, grouped = pool.select()
+                if batch is None or list(batch.request) != chosen:
+                    if batch is not None:
+                        stored.update({row.request: row for row in unstack(batch)})
+                    batch = stack([stored.pop(r) for r in chosen], target, draft, settings, stats, clock)
+            grouped_rounds += grouped
+            fallbacks += not grouped
+            round_index += 1
+            finished = set()
+            for done in batch.round(round_index):
+                on_done(*done)
+                finished.add(done[0])
+            with clock("time_align"):
+                keys = {int(r): (int(c), 1, int(batch.width - cache_width(batch.draft_cache)) if draft is not None else 1)
+                        for r, c in zip(batch.request, batch.content_len)}
+                pool.finish_round(keys, finished)
+                if batch.size == 0:
+                    batch = None
+            if settings.check:
+                raise_if(check_conservation(range(arrivals.released), pool.members()), round_index)
+        stats.extra.update(grouped_rounds=grouped_rounds, fallback_rounds=fallbacks,
+                           group_rate=grouped_rounds / max(round_index, 1))

@@ -273,6 +273,14 @@ class RaggedEngine:
         return True
 
 
-def run(target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):
-    slots = min(batch_size, len(prompts))  # more slots than requests would only hold memory
-    RaggedEngine(target, draft, prompts, max_new, settings, stats, clock, slots).run(on_done)
+class Ragged:
+    """RAGGED: rows in slots with per-row offsets, one flat verify, a freed slot refilled at once."""
+    layout = "ragged"
+    keeps_features = True
+
+    def __init__(self, options=None):
+        pass
+
+    def run(self, target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, batch_size: int, on_done):
+        slots = min(batch_size, len(prompts))  # more slots than requests would only hold memory
+        RaggedEngine(target, draft, prompts, max_new, settings, stats, clock, slots).run(on_done)

@@ -1,0 +1,87 @@
+"""The extension seams are real: a strategy registered from this file alone (one class for the torch
+engine, its twin function for the reference) runs through specbatch.generate, the reference and the
+CLI's choices, and is exact against target-only decoding on both."""
+import numpy as np
+import pytest
+
+import specbatch
+from hf_models import EOS, VOCAB, oracle, tiny
+from reference_cases import TARGET, oracle as reference_oracle
+from specbatch import reference
+from specbatch.cli import build_parser
+from specbatch.fast import strategies as fast_strategies
+from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.strategies.eqspec import Eqspec
+from specbatch.reference import ScriptedDraft as ReferenceScriptedDraft, deviate_hashed
+from specbatch.reference import strategies as reference_strategies
+
+RNG = np.random.default_rng(3)
+PROMPTS = [RNG.integers(0, VOCAB, n).tolist() for n in (30, 2, 11, 1, 7)]
+
+
+class ShortestFirst(Eqspec):
+    """Toy strategy: EQSPEC's fixed batches, filled shortest prompt first (greedy, no arrival times).
+    Results still come back under each request's own id."""
+
+    def run(self, target, draft, prompts, max_new, settings, stats, clock, batch_size, on_done):
+        order = sorted(range(len(prompts)), key=lambda r: (len(prompts[r]), r))
+        super().run(target, draft, [prompts[r] for r in order], [max_new[r] for r in order], settings, stats, clock,
+                    batch_size, lambda request, *rest: on_done(order[request], *rest))
+
+
+@reference_strategies.layout("rectangular")
+def shortest_first(job):
+    """The toy's reference twin: the reference's EQSPEC with the submission order sorted."""
+    job.order = sorted(job.order, key=lambda r: (len(job.prompts[r]), r))
+    reference_strategies.eqspec(job)
+
+
+@pytest.fixture()
+def toy(monkeypatch):
+    monkeypatch.setitem(fast_strategies.STRATEGIES, "shortest-first", ShortestFirst)
+    monkeypatch.setitem(reference_strategies.STRATEGIES, "shortest-first", shortest_first)
+    return "shortest-first"
+
+
+def test_the_engine_and_the_reference_have_the_same_strategies():
+    assert set(specbatch.STRATEGIES) == set(reference.STRATEGIES) == {"eqspec", "exspec", "ragged"}
+    for name, cls in specbatch.STRATEGIES.items():
+        assert cls.layout == reference.STRATEGIES[name].layout
+
+
+def test_a_registered_strategy_is_exact_in_the_engine(toy):
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(5, 0.3))
+    budgets = [9, 4, 12, 6, 3]
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=budgets, num_draft_tokens=3, batch_size=2,
+                                strategy=toy, check_invariants=True, policy="fixed")
+    assert result.sequences == oracle(target, PROMPTS, budgets, [EOS])
+    assert result.stats["rounds"] > 0 and result.stats["acceptance_rate"] < 1.0
+
+
+def test_a_registered_strategy_is_exact_in_the_reference(toy):
+    draft = ReferenceScriptedDraft(TARGET, deviate_hashed(5, 0.3))
+    prompts = [[t % 24 for t in p] for p in PROMPTS]
+    result = reference.generate(TARGET, draft, prompts, max_new_tokens=7, num_draft_tokens=3, batch_size=2,
+                                eos_token_id=[5], strategy=toy, check_invariants=True)
+    assert result.sequences == reference_oracle(prompts, 7, [5])
+    eqspec = reference.generate(TARGET, draft, prompts, max_new_tokens=7, num_draft_tokens=3, batch_size=2,
+                                eos_token_id=[5], strategy="eqspec")
+    assert result.stats["rounds"] != eqspec.stats["rounds"] or result.stats["fallback_rounds"] != \
+        eqspec.stats["fallback_rounds"], "the toy should batch differently from eqspec"
+
+
+def test_a_registered_strategy_is_a_cli_choice_and_unknown_names_are_refused(toy):
+    args = build_parser().parse_args(["generate", "--strategy", toy, "--target", "t", "--prompts", "p", "--out", "o"])
+    assert args.strategy == toy
+    with pytest.raises(ValueError, match="unknown strategy 'nope'.*'shortest-first'"):
+        specbatch.generate(tiny("llama"), None, PROMPTS, strategy="nope")
+    with pytest.raises(ValueError, match="unknown strategy 'nope'.*'shortest-first'"):
+        reference.generate(TARGET, None, [[1, 2]], strategy="nope")
+
+
+def test_registering_a_taken_name_is_refused():
+    with pytest.raises(ValueError, match="already registered"):
+        fast_strategies.register("ragged", ShortestFirst)
+    with pytest.raises(ValueError, match="already registered"):
+        reference_strategies.register("ragged", shortest_first)
