@@ -15,8 +15,13 @@ On this CPU it is faster than SDPA's kernel for the few-query shapes of decoding
 (and much faster in bfloat16); many-query forwards (prefill) go to SDPA.
 
 On an accelerator (fast.backend: `grouped_attention` off) every forward is one group over all rows,
-read up to the longest visible length, and every product is one fused SDPA call (`PLAN.fused`):
+read up to the longest visible length, and every product is one fused SDPA call (`Plan.fused`):
 a kernel launch per group costs more there than the slots grouping saves.
+
+What the forward about to run needs beyond its tensors (its `Plan`) is set in a context variable
+by `forward_plan` and read by every layer (`current_plan()`): it is scoped to the `with` block and
+to the thread, so a forward started inside another one (or on another thread) cannot see or
+clobber the outer forward's plan.
 
 `engine_attention(models)` switches every Hugging Face model inside the given modules to this
 implementation for the duration of a generation and restores the previous one afterwards.
@@ -25,6 +30,8 @@ Models whose code does not use transformers' AttentionInterface keep their own a
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -114,7 +121,7 @@ def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None
     visible = np.zeros(rows, dtype=np.int64)
     np.maximum.at(visible, token_row, token_index + 1)
     parts = []
-    for members, length in plan_parts(plan_groups(visible, PLAN.max_groups)):
+    for members, length in plan_parts(plan_groups(visible, current_plan().max_groups)):
         index = np.arange(rows)[members]
         width = int(count[index].max())
         j = np.arange(width)[None, :]
@@ -134,6 +141,7 @@ def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None
     return parts
 
 
+@dataclass(frozen=True)
 class Plan:
     """What the forward about to run needs beyond its tensors (set by ModelRunner, read by every
     layer): `parts`, row groups by visible length (each a slice of rows or a row index tensor, with
@@ -148,23 +156,33 @@ class Plan:
         return 1 if self.fused else 4
 
 
-PLAN = Plan()
+_PLAN: ContextVar[Plan] = ContextVar("specbatch_attention_plan", default=Plan())
+
+
+def current_plan() -> Plan:
+    """The plan of the forward running in this context (forward_plan, engine_attention)."""
+    return _PLAN.get()
 
 
 @contextmanager
+def scoped_plan(plan: Plan):
+    """`plan` in force for the block, the previous one restored after it (also on an error)."""
+    token = _PLAN.set(plan)
+    try:
+        yield plan
+    finally:
+        _PLAN.reset(token)
+
+
 def forward_plan(kv_lens=None, device=None, flat=None):
     """Group the rows of the next forward by their visible lengths (host array, or None), or give
-    the parts of a flat forward."""
-    PLAN.flat = flat
-    if kv_lens is None:
-        PLAN.parts = None
-    else:
-        PLAN.parts = [(rows if isinstance(rows, slice) else torch.as_tensor(rows, device=device), length)
-                      for rows, length in plan_parts(plan_groups(np.asarray(kv_lens), PLAN.max_groups))]
-    try:
-        yield
-    finally:
-        PLAN.parts, PLAN.flat = None, None
+    the parts of a flat forward: a scoped_plan for the block."""
+    outer = current_plan()
+    parts = None
+    if kv_lens is not None:
+        parts = [(rows if isinstance(rows, slice) else torch.as_tensor(rows, device=device), length)
+                 for rows, length in plan_parts(plan_groups(np.asarray(kv_lens), outer.max_groups))]
+    return scoped_plan(Plan(parts, flat, outer.fused))
 
 
 def plain_attention(query, key, value, mask, scaling, softcap=None):
@@ -172,8 +190,8 @@ def plain_attention(query, key, value, mask, scaling, softcap=None):
 
     Keys and values may be stored in a wider dtype than the queries (a float32 cache for a bfloat16
     model): the product is then computed in the cache's dtype and returned in the query's. Under
-    PLAN.fused, SDPA's fused kernel computes the same (without softcap, for one dtype)."""
-    if PLAN.fused and softcap is None and key.dtype == query.dtype:
+    a fused plan, SDPA's fused kernel computes the same (without softcap, for one dtype)."""
+    if current_plan().fused and softcap is None and key.dtype == query.dtype:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                               enable_gqa=query.shape[1] != key.shape[1])
     out_dtype = query.dtype
@@ -204,7 +222,7 @@ def rows_of(tensor, rows, length):
 
 def grouped_attention(query, key, value, mask, scaling, softcap=None):
     """plain_attention per part of the rows, each reading only its own first `length` slots."""
-    parts = PLAN.parts or [(slice(0, query.shape[0]), key.shape[2])]
+    parts = current_plan().parts or [(slice(0, query.shape[0]), key.shape[2])]
     if len(parts) == 1 and isinstance(parts[0][0], slice):
         length = parts[0][1]
         return plain_attention(query, key[:, :, :length], value[:, :, :length],
@@ -228,7 +246,7 @@ def flat_attention(query, key, value, scaling, softcap=None):
     heads, dim = query.shape[1], value.shape[-1]
     out = query.new_empty(1, heads, query.shape[2], dim)
     flat_q = query[0]  # [H, T, D]
-    for part in PLAN.flat:
+    for part in current_plan().flat:
         n, width = part.mask.shape[0], part.mask.shape[2]
         q = flat_q.index_select(1, part.tokens).view(heads, n, width, query.shape[-1]).transpose(0, 1)
         o = plain_attention(q, rows_of(key, part.rows, part.length), rows_of(value, part.rows, part.length),
@@ -241,20 +259,20 @@ def flat_attention(query, key, value, scaling, softcap=None):
 def specbatch_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                         **kwargs):
     """An AttentionInterface function: returns (output [B, Q, H, D], None)."""
-    softcap = kwargs.get("softcap")
+    softcap, plan = kwargs.get("softcap"), current_plan()
     unsupported = kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None or dropout \
         or key.shape[1] == 0 or query.shape[1] % key.shape[1]
     if unsupported:
-        if PLAN.flat is not None:
+        if plan.flat is not None:
             raise RuntimeError(f"{type(module).__name__} needs attention features the flat forward does not have")
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if PLAN.flat is not None:
+    if plan.flat is not None:
         out = flat_attention(query, key, value, scaling, softcap)
     elif query.shape[2] >= SDPA_MIN_QUERIES and query.dtype in (torch.float32, torch.float64) and softcap is None:
-        length = max(length for _, length in PLAN.parts) if PLAN.parts else key.shape[2]
+        length = max(length for _, length in plan.parts) if plan.parts else key.shape[2]
         mask = None if attention_mask is None else attention_mask[..., :length]
         out = F.scaled_dot_product_attention(query, key[:, :, :length], value[:, :, :length], attn_mask=mask,
                                              scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
@@ -295,13 +313,12 @@ def engine_attention(*modules, fused: bool = False):
     one group of rows and SDPA's kernels (fast.backend)."""
     register()
     configs = _configs(modules)
-    before, fused_before = [c._attn_implementation for c in configs], PLAN.fused
+    before = [c._attn_implementation for c in configs]
     try:
         for c in configs:
             c._attn_implementation = NAME
-        PLAN.fused = fused
-        yield
+        with scoped_plan(Plan(fused=fused)):
+            yield
     finally:
         for c, value in zip(configs, before):
             c._attn_implementation = value
-        PLAN.fused = fused_before

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import specbatch
 from hf_models import EOS, FIXED_K, VOCAB, oracle, tiny
 from specbatch.fast import prefill as prefill_module
-from specbatch.fast.attention import PLAN, forward_plan, grouped_attention, plain_attention, plan_groups, plan_parts
+from specbatch.fast.attention import (Plan, current_plan, forward_plan, grouped_attention, plain_attention, plan_groups,
+                                      plan_parts, scoped_plan)
 from specbatch.fast.engine import Settings, fresh_kv
 from specbatch.fast.models import ModelRunner, mask_fill_value
 from specbatch.fast.prefill import packed_inputs, plan_packs, prefill_into, prefill_rectangle
@@ -126,7 +127,7 @@ def test_grouped_attention_equals_attention_over_the_longest_row(dtype):
     mask = torch.zeros(batch, queries, slots, dtype=dtype).masked_fill_(~visible, -1e30)[:, None]
     want = plain_attention(q, k, v, mask, dim ** -0.5)
     with forward_plan(kv_lens, "cpu"):
-        assert len(PLAN.parts) > 1
+        assert len(current_plan().parts) > 1
         got = grouped_attention(q, k, v, mask, dim ** -0.5)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, want, **tol)
@@ -145,11 +146,9 @@ def test_a_group_read_cut_short_changes_the_output():
     mask = torch.zeros(3, 1, 41).masked_fill_(~visible, -1e30)[:, None]
     want = plain_attention(q, k, v, mask, 0.5)
     short = [(torch.as_tensor(r), int(kv_lens[r].min())) for r, _ in plan_groups(kv_lens)]
-    PLAN.parts = short
-    try:
+    with scoped_plan(Plan(parts=short)):
         assert not torch.allclose(grouped_attention(q, k, v, mask, 0.5), want)
-    finally:
-        PLAN.parts = None
+    assert current_plan() == Plan()  # the plan ends with its block
 
 
 @pytest.mark.parametrize("strategy", ["ragged", "eqspec", "exspec"])
@@ -161,3 +160,38 @@ def test_prompts_of_1_to_700_tokens_in_one_admission(strategy):
                                 strategy=strategy, pad_token_id=EOS, check_invariants=True, **FIXED_K)
     assert result.sequences == want
     assert result.stats["target_tokens_processed"] < sum(LENGTHS) + len(LONG) * 6 * 4  # no padded rectangle
+
+
+def test_two_engines_interleaved_keep_their_own_attention_plans():
+    """The attention plan is scoped to its forward: a generation run inside another one's forward (from
+    a layer hook, between two layers) and one on another thread neither see nor clobber the outer
+    forward's plan (a flat ragged verify outside, length-grouped rectangles inside); both stay exact."""
+    import threading
+    outer, inner = tiny("qwen3"), tiny("gpt2", seed=4)
+    prompts = [LONG[i] for i in (0, 2, 3, 6, 7)]
+    inner_prompts = [p[:9] for p in prompts]
+    inner_want = oracle(inner, inner_prompts, 5, [EOS])
+    inner_runs, calls = [], []
+
+    def run_inner(module, args, output):
+        calls.append(1)
+        if len(calls) in (3, 7):  # verifies of the outer ragged engine, between its two layers
+            inner_runs.append(specbatch.generate(inner, tiny("gpt2", layers=1, seed=5), inner_prompts,
+                                                 max_new_tokens=5, num_draft_tokens=2, batch_size=3,
+                                                 strategy="eqspec").sequences)
+
+    hook = outer.model.layers[0].register_forward_hook(run_inner)
+    try:
+        got = specbatch.generate(outer, tiny("qwen3", layers=1, seed=6), prompts, max_new_tokens=8,
+                                 num_draft_tokens=3, batch_size=4, strategy="ragged", **FIXED_K).sequences
+    finally:
+        hook.remove()
+    assert got == oracle(outer, prompts, 8, [EOS])
+    assert inner_runs == [inner_want, inner_want]
+    threads = [threading.Thread(target=lambda: inner_runs.append(specbatch.generate(
+        inner, None, inner_prompts, max_new_tokens=5, batch_size=2, strategy=s).sequences)) for s in ("ragged", "eqspec")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert inner_runs[2:] == [inner_want, inner_want] and current_plan() == Plan()

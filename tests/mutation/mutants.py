@@ -365,6 +365,8 @@ MUTANTS = [
     ("pooled-row-forgets-its-rounds", "stats", "fast/strategies/exspec.py",
      "pending if batch.draft is not None else 1, int(batch.rounds[i])))",
      "pending if batch.draft is not None else 1, 0))", GUARDS),
+    ("attention-plan-not-restored", "attention", "fast/attention.py",
+     "        _PLAN.reset(token)\n", "        _PLAN.set(Plan())\n", RAGGED),
     ("softcap-without-division", "attention", "fast/attention.py",
      "scores = torch.tanh(scores / softcap) * softcap", "scores = torch.tanh(scores) * softcap",
      ["tests/test_fast_engine.py"]),
