@@ -213,11 +213,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     a step)."""
     clamp = np.asarray(clamp, dtype=np.int64)
     rows = len(clamp)
-    if settings.policy is None:
-        rule = ThresholdRule(clamp)
-    else:
-        remaining_host = None if remaining is None else np.asarray(remaining)
-        rule = settings.policy.plan(RoundInfo(np.asarray(requests.tolist()), clamp, remaining_host, waiting))
+    rule = _round_rule(settings, clamp, requests, remaining, waiting)
     steps, dists, confidences, host = [], [], [], []
     active, proposed = rule.limit > 0, np.zeros(rows, dtype=np.int64)
     ids, lookup_rows, model_steps = None, np.zeros(rows, dtype=bool), 0
@@ -233,14 +229,8 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         if needed.any():
             logits = step_forward(step, ids, needed)
             model_steps = step + 1
-            # processors (penalties) see the round's proposals so far
-            prefix = {} if settings.processors is None else dict(prefix=_so_far(steps, rows, device))
-            if found is not None:  # lookup rows take the lookup's step, the others its match where it has one
-                use = torch.as_tensor(lookup_rows, device=found.matched.device) | (found.matched > 0)
-                token, dist, confidence = settings.chooser.draft(logits, requests, content + step, found, use,
-                                                                 **prefix)
-            else:
-                token, dist, confidence = settings.chooser.draft(logits, requests, content + step, **prefix)
+            token, dist, confidence = _choose_drafts(settings, logits, requests, content + step, found, lookup_rows,
+                                                     steps, device)
         elif found is not None:  # lookup rows alone: no model, and greedy builds no [R, V] logits
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
         else:
@@ -262,6 +252,24 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     confidence = torch.stack(confidences, dim=1) if steps else None
     host_confidence = np.stack(host, axis=1) if host else None
     return Proposals(drafted, q, confidence, proposed, rule, len(steps), model_steps, lookup_rows, host_confidence)
+
+
+def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, waiting: bool):
+    """The round's proposal rule: the policy's plan for these rows (the threshold rule without a policy)."""
+    if settings.policy is None:
+        return ThresholdRule(clamp)
+    remaining_host = None if remaining is None else np.asarray(remaining)
+    return settings.policy.plan(RoundInfo(np.asarray(requests.tolist()), clamp, remaining_host, waiting))
+
+
+def _choose_drafts(settings: Settings, logits, requests, index, found, lookup_rows, steps: list, device):
+    """One draft step's (token, q, confidence) per row from the draft's logits: where the lookup matched
+    (lookup rows always), the lookup's token. Processors (penalties) see the round's proposals so far."""
+    prefix = {} if settings.processors is None else dict(prefix=_so_far(steps, len(lookup_rows), device))
+    if found is None:
+        return settings.chooser.draft(logits, requests, index, **prefix)
+    use = torch.as_tensor(lookup_rows, device=found.matched.device) | (found.matched > 0)
+    return settings.chooser.draft(logits, requests, index, found, use, **prefix)
 
 
 def _so_far(steps: list, rows: int, device) -> torch.Tensor:

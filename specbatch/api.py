@@ -1,6 +1,7 @@
 """`specbatch.generate`: batch speculative decoding on any pair of Hugging Face causal LMs."""
 from __future__ import annotations
 
+import functools
 import numbers
 import time
 
@@ -13,7 +14,8 @@ from .fast.policy import PolicySettings, make_policy
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.processors import LogitProcessors
 from .fast.sampling import make_chooser
-from .fast.models import ModelRunner, abilities_of, attention_window, check_pair, context_limit, eos_ids_of, mask_fill_value
+from .fast.models import (ModelRunner, abilities_of, attention_window, check_pair, context_limit, eos_ids_of,
+                          mask_fill_value, vocab_size)
 from .invariants import TraceWriter
 from .tensor_parallel import clock_agreement
 from .options import (GenerateOptions, check_arrivals, check_choice, check_logit_bias, check_options,
@@ -141,47 +143,85 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
               eos_token_id=None, pad_token_id=None, tokenizer=None, draft_tokenizer=None,
               check_invariants: bool = False, trace=None, progress: bool = False, on_result=None, arrivals=None,
               request_ids=None, chat_template=None) -> GenerationResult:
+    """generate and generate_variant: check every input, build the engine's Settings, run the strategy."""
     if not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a non-empty list of token-id lists (or strings with tokenizer=)")
     opts = check_options(opts, len(prompts), floor_chosen)
     strategy = variant or opts.strategy
     runner = {**STRATEGIES, **BROKEN}[strategy](opts)
-    temperature, top_k, top_p, seed, sampling = opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.sampling
-    num_draft_tokens, batch_size, max_new_tokens = opts.num_draft_tokens, opts.batch_size, opts.max_new_tokens
     agree = clock_agreement(target)  # None unless the target is sharded (tensor parallelism)
     if arrivals is not None:
         arrivals = check_arrivals(arrivals, len(prompts))
         if agree is not None:
             raise ValueError("arrivals= follow the clock, which the ranks of a tensor-parallel target do not share; "
                              "run latency benchmarks with the target held whole")
-    check_pair(target, draft, tokenizer, draft_tokenizer)
-    if draft is not None and abilities_of(draft).reads_features and not runner.keeps_features:
-        keeping = ", ".join(repr(name) for name, cls in STRATEGIES.items() if cls.keeps_features)
-        raise ValueError(f"the draft reads the target's features (a feature draft, fast.feature_draft); only "
-                         f"strategy={keeping} keeps them, got strategy={strategy!r}")
-    from .fast.models import vocab_size
+    _check_draft(target, draft, tokenizer, draft_tokenizer, runner, strategy)
     vocab = vocab_size(target)
     if eos_token_id is not None:
         eos_token_id = list(check_token_ids("eos_token_id", eos_token_id, vocab))
     if pad_token_id is not None:
         check_token_id("pad_token_id", pad_token_id, vocab)
     ids = _prompt_ids(prompts, tokenizer, vocab, chat_template)
-    max_new = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(ids)
-    if len(max_new) != len(ids):
-        raise ValueError(f"max_new_tokens has {len(max_new)} entries for {len(ids)} prompts")
-    k = num_draft_tokens if draft is not None else 0
+    max_new = _budgets(opts.max_new_tokens, len(ids))
+    k = opts.num_draft_tokens if draft is not None else 0
+    window = _sliding_window(target, draft, ids, max_new, k)
+    settings = _settings(target, opts, runner.layout, strategy, ids, max_new, k, window, eos_token_id, pad_token_id,
+                         vocab, tokenizer, check_invariants, trace, request_ids)
+    stats = Stats()
+    target_runner = ModelRunner(target, lean=opts.lean and not opts.compile)
+    draft_runner = ModelRunner(draft, lean=opts.lean and not opts.compile) if draft is not None else None
+    leans = [r.lean for r in (target_runner, draft_runner) if r is not None and r.lean is not None]
+    whole = held_whole(target, draft)  # a tensor-parallel target keeps its sharded layers (fast.backend)
+    backend = settings.backend
+    label = progress if isinstance(progress, str) else strategy if draft is not None else "target-only"
+    results = _Results(len(ids), on_result, label if progress else None)  # the clock starts here
+    settings.arrivals = Arrivals(len(ids), arrivals)  # ... and arrival times count from here
+    try:
+        with torch.inference_mode(), engine_attention(target, draft, fused=not backend.grouped_attention), \
+                compiled_blocks(*whole, enabled=opts.compile) as compiled, \
+                prepacked_linears(*whole, *leans, enabled=opts.prepack and backend.prepack_linears,
+                                  skip=list(compiled) + [m for lean in leans for m in lean.replaced]):
+            runner.run(target_runner, draft_runner, ids, max_new, settings, stats, Clock(stats, settings.device, agree),
+                       opts.batch_size, functools.partial(results.done, stats))
+    finally:  # an error (or Ctrl-C) leaves no half-drawn bar in front of its message
+        results.close()
+    stats.time_total = time.perf_counter() - results.start
+    stats.target_tokens_processed = target_runner.tokens_processed
+    stats.draft_tokens_processed = draft_runner.tokens_processed if draft_runner else 0
+    return results.result(stats, settings.trace, tokenizer, stops_per_prompt(opts.stop, len(ids)), arrivals)
 
+
+def _check_draft(target, draft, tokenizer, draft_tokenizer, runner, strategy: str) -> None:
+    """The draft shares the target's vocabulary (fast.models.check_pair), and a draft that reads the
+    target's features runs only in a strategy that keeps them."""
+    check_pair(target, draft, tokenizer, draft_tokenizer)
+    if draft is not None and abilities_of(draft).reads_features and not runner.keeps_features:
+        keeping = ", ".join(repr(name) for name, cls in STRATEGIES.items() if cls.keeps_features)
+        raise ValueError(f"the draft reads the target's features (a feature draft, fast.feature_draft); only "
+                         f"strategy={keeping} keeps them, got strategy={strategy!r}")
+
+
+def _budgets(max_new_tokens, count: int) -> list[int]:
+    """max_new_tokens per request (an int applies to all)."""
+    max_new = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * count
+    if len(max_new) != count:
+        raise ValueError(f"max_new_tokens has {len(max_new)} entries for {count} prompts")
+    return max_new
+
+
+def _sliding_window(target, draft, ids, max_new, k: int) -> int | None:
+    """The sliding attention window the engine must apply (None: none reached): every request must fit
+    each model's context, and a window is supported when every layer uses it and both models agree."""
     longest = max(len(p) + m for p, m in zip(ids, max_new)) + k
+    window = None
     for name, model in (("target", target), ("draft", draft)):
         if model is None:
             continue
         limit = context_limit(model)
-        if limit is not None:
-            for i, (p, m) in enumerate(zip(ids, max_new)):
-                if len(p) + m + k > limit:
-                    raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {m} new + {k} draft tokens exceed the "
-                                     f"{name}'s context of {limit} positions")
-    window = None
+        for i, (p, m) in enumerate(zip(ids, max_new)):
+            if limit is not None and len(p) + m + k > limit:
+                raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {m} new + {k} draft tokens exceed the "
+                                 f"{name}'s context of {limit} positions")
     for name, model in (("target", target), ("draft", draft)):
         if model is None:
             continue
@@ -193,74 +233,70 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
             if window is not None and window != w:
                 raise ValueError(f"target and draft have different sliding windows ({window} and {w})")
             window = w
+    return window
 
+
+def _settings(target, opts: GenerateOptions, layout: str, strategy: str, ids, max_new, k: int, window, eos_token_id,
+              pad_token_id, vocab: int, tokenizer, check_invariants: bool, trace, request_ids) -> Settings:
+    """The engine's Settings: device and dtype from the target, EOS and pad ids, the chooser and the
+    processors, the proposal policy, and the trace writer (when trace is a path)."""
     first = next(iter(list(target.parameters()) + list(target.buffers())))
     device, dtype = first.device, first.dtype
     eos_ids = eos_ids_of(target, eos_token_id)
     pad_id = pad_token_id if pad_token_id is not None else (getattr(target.config, "pad_token_id", None) or 0)
-    stats = Stats()
-    writer = None
     threshold = float(opts.draft_threshold) if k else 0.0
     floor = min(float(opts.draft_floor), threshold)
-    policy = opts.policy or ("threshold" if temperature and sampling == "rejection" else "goodput")
-    processors = make_processors(opts, ids, max_new, eos_ids, vocab, device, tokenizer)
+    policy = opts.policy or ("threshold" if opts.temperature and opts.sampling == "rejection" else "goodput")
     if policy == "fixed":
         threshold = floor = 0.0
+    processors = make_processors(opts, ids, max_new, eos_ids, vocab, device, tokenizer)
+    writer = None
     if trace is not None:
-        writer = TraceWriter(trace, layout=runner.layout, strategy=strategy,
-                             eos_token_ids=eos_ids, max_new_tokens=max_new, num_requests=len(ids), window=window,
-                             num_draft_tokens=k, draft_threshold=threshold, draft_floor=floor)
-    backend = for_device(device)
-    settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
-                        pad_id=int(pad_id), check=check_invariants, trace=writer,
-                        chooser=make_chooser(temperature, top_k, top_p, seed, sampling, len(ids), device,
-                                             request_ids, processors),
-                        processors=processors,
-                        policy=make_policy(PolicySettings(policy, k, threshold, floor)),
-                        backend=backend)
-    target_runner = ModelRunner(target, lean=opts.lean and not opts.compile)
-    draft_runner = ModelRunner(draft, lean=opts.lean and not opts.compile) if draft is not None else None
-    leans = [r.lean for r in (target_runner, draft_runner) if r is not None and r.lean is not None]
-    results: dict = {}
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        label = progress if isinstance(progress, str) else strategy if draft is not None else "target-only"
-        bar = tqdm(total=len(ids), desc=label, unit="req", leave=False)
+        writer = TraceWriter(trace, layout=layout, strategy=strategy, eos_token_ids=eos_ids, max_new_tokens=max_new,
+                             num_requests=len(ids), window=window, num_draft_tokens=k, draft_threshold=threshold,
+                             draft_floor=floor)
+    return Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
+                    pad_id=int(pad_id), check=check_invariants, trace=writer,
+                    chooser=make_chooser(opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.sampling, len(ids),
+                                         device, request_ids, processors),
+                    processors=processors, policy=make_policy(PolicySettings(policy, k, threshold, floor)),
+                    backend=for_device(device))
 
-    def on_done(request, tokens, reason, rounds):
-        results[request] = (tokens, reason, rounds, time.perf_counter() - start)
-        if on_result is not None:
-            on_result(request, tokens, reason, rounds)
-        if bar is not None:
-            bar.update(1)
-            elapsed = time.perf_counter() - start
+
+class _Results:
+    """What comes back while a strategy runs: each request's tokens, stop reason, rounds and finish
+    time, passed on to on_result and shown on a progress bar (label None: no bar)."""
+
+    def __init__(self, count: int, on_result, label: str | None):
+        self.count, self.on_result, self.rows, self.bar = count, on_result, {}, None
+        if label is not None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=count, desc=label, unit="req", leave=False)
+        self.start = time.perf_counter()
+
+    def done(self, stats: Stats, request, tokens, reason, rounds) -> None:
+        self.rows[request] = (tokens, reason, rounds, time.perf_counter() - self.start)
+        if self.on_result is not None:
+            self.on_result(request, tokens, reason, rounds)
+        if self.bar is not None:
+            self.bar.update(1)
+            elapsed = time.perf_counter() - self.start
             tau = stats.generated_tokens / stats.row_rounds if stats.row_rounds else 0.0
-            bar.set_postfix(tok_s=f"{stats.generated_tokens / elapsed:.1f}", tau=f"{tau:.2f}")
+            self.bar.set_postfix(tok_s=f"{stats.generated_tokens / elapsed:.1f}", tau=f"{tau:.2f}")
 
-    start = time.perf_counter()
-    settings.arrivals = Arrivals(len(ids), arrivals)
-    clock = Clock(stats, device, agree)
-    whole = held_whole(target, draft)  # a tensor-parallel target keeps its sharded layers (fast.backend)
-    try:
-        with torch.inference_mode(), engine_attention(target, draft, fused=not backend.grouped_attention), \
-                compiled_blocks(*whole, enabled=opts.compile) as compiled, \
-                prepacked_linears(*whole, *leans, enabled=opts.prepack and backend.prepack_linears,
-                                  skip=list(compiled) + [m for lean in leans for m in lean.replaced]):
-            runner.run(target_runner, draft_runner, ids, max_new, settings, stats, clock, batch_size, on_done)
-    finally:  # an error (or Ctrl-C) leaves no half-drawn bar in front of its message
-        if bar is not None:
-            bar.close()
-    stats.time_total = time.perf_counter() - start
-    stats.target_tokens_processed = target_runner.tokens_processed
-    stats.draft_tokens_processed = draft_runner.tokens_processed if draft_runner else 0
-    sequences = [results[r][0] for r in range(len(ids))]
-    reasons = [results[r][1] for r in range(len(ids))]
-    if writer is not None:
-        writer.results(sequences, reasons)
-    texts = [result_text(s, reason, tokenizer, stop) for s, reason, stop
-             in zip(sequences, reasons, stops_per_prompt(opts.stop, len(ids)))] if tokenizer is not None else None
-    per_request = [dict(rounds=results[r][2], accepted_length=len(results[r][0]) / max(results[r][2], 1),
-                        latency=results[r][3] - (arrivals[r] if arrivals is not None else 0.0))
-                   for r in range(len(ids))]
-    return GenerationResult(sequences, reasons, stats.as_dict(), texts, per_request)
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def result(self, stats: Stats, writer, tokenizer, stops, arrivals) -> GenerationResult:
+        """The GenerationResult in input order (S2); the trace's results line written."""
+        sequences = [self.rows[r][0] for r in range(self.count)]
+        reasons = [self.rows[r][1] for r in range(self.count)]
+        if writer is not None:
+            writer.results(sequences, reasons)
+        texts = [result_text(s, reason, tokenizer, stop) for s, reason, stop in zip(sequences, reasons, stops)] \
+            if tokenizer is not None else None
+        per_request = [dict(rounds=rounds, accepted_length=len(tokens) / max(rounds, 1),
+                            latency=finished - (arrivals[r] if arrivals is not None else 0.0))
+                       for r, (tokens, _, rounds, finished) in sorted(self.rows.items())]
+        return GenerationResult(sequences, reasons, stats.as_dict(), texts, per_request)

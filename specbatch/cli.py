@@ -142,13 +142,72 @@ def shard_target(target, parallel):
 
 
 def cmd_generate(args) -> int:
-    import glob
-
+    """generate: prompts in, one result per request out (--out FILE, else stdout), resumable; under
+    torchrun each data-parallel group writes a part file and rank 0 merges them."""
     from . import distributed
-    from .api import result_text
-    from .io import InputError, OutputLock, ResultWriter, check_not_replacing, check_output_path, read_done
-    from .resume import check_kept, check_same_run, run_record, write_record
-    try:  # everything about the files before any model is loaded
+    from .io import ResultWriter
+    _check_output_files(args)  # everything about the files before any model is loaded
+    prompts = read_prompt_file(args.prompts)
+    order = [ident for ident, _ in prompts]
+    opts, _ = options_from_args(args)
+    rank, size = distributed.init_from_env(opts.device)
+    parallel = tensor_parallel_layout(rank, size, args.tensor_parallel, opts.device)
+    groups = parallel.dp_size  # data-parallel groups: each takes a share of the requests, one part file
+    lock, previous, stale = _claim_output(args, order, rank)
+    opts = dataclasses.replace(opts, device=distributed.local_device(opts.device))
+    target, draft, tokenizer = load(args.target, args.draft, dtype=opts.dtype, device=opts.device)
+    ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
+    if args.out:
+        _check_or_record_run(args, target, draft, opts, parallel, previous, rank)
+    target = shard_target(target, parallel)
+    todo = [i for i, ident in enumerate(order) if ident not in previous]
+    mine = [todo[j] for j in distributed.shard(len(todo), parallel.dp_rank, groups)]  # all of todo for one group
+    if previous and rank == 0:
+        print(f"resuming: {len(previous)} of {len(order)} requests already in {args.out}", file=sys.stderr)
+    parts = [f"{args.out}.part{g}" for g in range(groups)] if args.out else []
+    if not parallel.writes or not args.out:  # a tensor-parallel group's other ranks compute, its first writes
+        writer = None
+    elif size > 1:  # each group appends to its own part file; rank 0 merges them at the end
+        writer = ResultWriter(parts[parallel.dp_rank], order, {}, append=True)
+    else:
+        writer = ResultWriter(args.out, order, previous)
+    if writer is not None:  # what an interruption leaves (main prints it)
+        args.kept = lambda: (f"{len(writer.results)} of {len(order)} results are in {writer.path}; "
+                             f"--resume {'continues' if size > 1 else 'generates the rest'}")
+    printer = StdoutPrinter([order[i] for i in mine], args.jsonl_stdout) if not args.out and parallel.writes else None
+    result = None
+    try:
+        if mine:
+            sink = writer if writer is not None else printer
+            result = run_generate(target, draft, [ids[i] for i in mine], opts,
+                                  on_result=_recorder(order, mine, tokenizer, opts.stop, sink),
+                                  progress=(rank == 0), trace=args.trace if size == 1 else None,
+                                  request_ids=mine, tokenizer=tokenizer)
+    except OSError as e:  # the trace's disk filled or vanished; results flushed so far stay in --out
+        raise UserError(f"cannot write {e.filename or args.trace}: {e.strerror}; finished results are kept in "
+                        f"{args.out or 'stdout'} (run again with --resume)") from None
+    finally:
+        if writer is not None:
+            writer.file.close() if size > 1 else writer.finish()
+    if size > 1:
+        distributed.gather(None)  # every rank has finished its part
+        if rank == 0 and args.out:
+            _merge_parts(args.out, order, previous, sorted(set(stale) | set(parts)))
+    elif args.out:
+        for path in stale:  # a resumed single-process run: the parts' results are in OUT now
+            os.remove(path)
+    if lock is not None:
+        lock.release()
+    distributed.shutdown()
+    if result is not None:
+        _print_summary(result.stats, rank, size, args.out)
+    return leave(0) if size > 1 else 0
+
+
+def _check_output_files(args) -> None:
+    """--out and --trace are paths the run may write (never the prompt file or each other)."""
+    from .io import InputError, check_output_path
+    try:
         if (args.resume or args.overwrite) and not args.out:
             raise InputError(f"{'--resume' if args.resume else '--overwrite'} applies to --out; give --out FILE")
         if args.out:
@@ -157,14 +216,16 @@ def cmd_generate(args) -> int:
             check_output_path(args.trace, "--trace", {"--prompts": args.prompts, "--out": args.out})
     except InputError as e:
         raise UserError(str(e)) from None
-    prompts = read_prompt_file(args.prompts)
-    order = [ident for ident, _ in prompts]
-    opts, _ = options_from_args(args)
-    rank, size = distributed.init_from_env(opts.device)
-    parallel = tensor_parallel_layout(rank, size, args.tensor_parallel, opts.device)
-    groups = parallel.dp_size  # data-parallel groups: each takes a share of the requests, one part file
-    lock = None
-    previous = {}
+
+
+def _claim_output(args, order, rank: int):
+    """(lock on --out, results already there, part files of an interrupted run): a second run on
+    --out is refused, results are replaced only with --overwrite, part files are continued only
+    with --resume."""
+    import glob
+
+    from .io import InputError, OutputLock, check_not_replacing, check_output_path, read_done
+    lock, previous = None, {}
     # every part file there, whatever the world size of the run that wrote it; kept until merged
     stale = sorted(glob.glob(glob.escape(str(args.out)) + ".part*")) if args.out else []
     try:
@@ -184,86 +245,60 @@ def cmd_generate(args) -> int:
                 previous.update(read_done(path, known_ids=order))
     except InputError as e:
         raise UserError(str(e)) from None
-    opts = dataclasses.replace(opts, device=distributed.local_device(opts.device))
-    target, draft, tokenizer = load(args.target, args.draft, dtype=opts.dtype, device=opts.device)
-    ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)
-    if args.out:
-        from .fast.models import eos_ids_of, vocab_size
-        record_now = run_record(target_spec=args.target, draft_spec=args.draft, target=target, draft=draft,
-                                prompts_file=args.prompts, chat_template=args.chat_template, options=opts,
-                                tensor_parallel=parallel.tp)  # of the whole target, before sharding
-        try:
-            if args.resume and (previous or Path(f"{args.out}.settings.json").exists()):
-                check_same_run(args.out, record_now)
-                check_kept(previous, vocab=vocab_size(target), eos_ids=eos_ids_of(target),
-                           budget=opts.max_new_tokens, where=args.out, stops=bool(opts.stop))
-            elif rank == 0:
-                write_record(args.out, record_now)
-        except InputError as e:
-            raise UserError(str(e)) from None
-    target = shard_target(target, parallel)
-    todo = [i for i, ident in enumerate(order) if ident not in previous]
-    mine = [todo[j] for j in distributed.shard(len(todo), parallel.dp_rank, groups)]  # all of todo for one group
-    if previous and rank == 0:
-        print(f"resuming: {len(previous)} of {len(order)} requests already in {args.out}", file=sys.stderr)
-    parts = [f"{args.out}.part{g}" for g in range(groups)] if args.out else []
-    if not parallel.writes or not args.out:  # a tensor-parallel group's other ranks compute, its first writes
-        writer = None
-    elif size > 1:  # each group appends to its own part file; rank 0 merges them at the end
-        writer = ResultWriter(parts[parallel.dp_rank], order, {}, append=True)
-    else:
-        writer = ResultWriter(args.out, order, previous)
-    if writer is not None:  # what an interruption leaves (main prints it)
-        args.kept = lambda: (f"{len(writer.results)} of {len(order)} results are in {writer.path}; "
-                             f"--resume {'continues' if size > 1 else 'generates the rest'}")
+    return lock, previous, stale
 
-    printer = StdoutPrinter([order[i] for i in mine], args.jsonl_stdout) if not args.out and parallel.writes else None
+
+def _check_or_record_run(args, target, draft, opts, parallel, previous, rank: int) -> None:
+    """A resumed run must be the run that wrote --out (models, prompts, options) and its kept results
+    must fit the model; a new run records itself in OUT.settings.json."""
+    from .fast.models import eos_ids_of, vocab_size
+    from .io import InputError
+    from .resume import check_kept, check_same_run, run_record, write_record
+    record_now = run_record(target_spec=args.target, draft_spec=args.draft, target=target, draft=draft,
+                            prompts_file=args.prompts, chat_template=args.chat_template, options=opts,
+                            tensor_parallel=parallel.tp)  # of the whole target, before sharding
+    try:
+        if args.resume and (previous or Path(f"{args.out}.settings.json").exists()):
+            check_same_run(args.out, record_now)
+            check_kept(previous, vocab=vocab_size(target), eos_ids=eos_ids_of(target),
+                       budget=opts.max_new_tokens, where=args.out, stops=bool(opts.stop))
+        elif rank == 0:
+            write_record(args.out, record_now)
+    except InputError as e:
+        raise UserError(str(e)) from None
+
+
+def _recorder(order, mine, tokenizer, stop, sink):
+    """on_result for run_generate: each finished request as a result record, handed to `sink` (a
+    ResultWriter or a StdoutPrinter; None: this rank does not write)."""
+    from .api import result_text
 
     def record(request, tokens, reason, rounds):
-        ident = order[mine[request]]
-        rec = dict(id=ident, text=result_text(tokens, reason, tokenizer, opts.stop), token_ids=tokens,
+        rec = dict(id=order[mine[request]], text=result_text(tokens, reason, tokenizer, stop), token_ids=tokens,
                    num_tokens=len(tokens), stop_reason=reason, rounds=rounds,
                    accepted_length=round(len(tokens) / max(rounds, 1), 4))
-        if writer is not None:
-            writer.add(rec)
-        elif printer is not None:
-            printer.add(rec)
+        if sink is not None:
+            sink.add(rec)
+    return record
 
-    result = None
-    try:
-        if mine:
-            result = run_generate(target, draft, [ids[i] for i in mine], opts, on_result=record,
-                                  progress=(rank == 0), trace=args.trace if size == 1 else None,
-                                  request_ids=mine, tokenizer=tokenizer)
-    except OSError as e:  # the trace's disk filled or vanished; results flushed so far stay in --out
-        raise UserError(f"cannot write {e.filename or args.trace}: {e.strerror}; finished results are kept in "
-                        f"{args.out or 'stdout'} (run again with --resume)") from None
-    finally:
-        if writer is not None:
-            writer.file.close() if size > 1 else writer.finish()
-    if size > 1:
-        distributed.gather(None)  # every rank has finished its part
-        if rank == 0 and args.out:
-            done = dict(previous)
-            every_part = sorted(set(stale) | set(parts))
-            for path in every_part:
-                done.update(read_done(path))
-            ResultWriter(args.out, order, done).finish()  # OUT holds every result before any part goes
-            for path in every_part:
-                os.remove(path)
-    elif args.out:
-        for path in stale:  # a resumed single-process run: the parts' results are in OUT now
-            os.remove(path)
-    if lock is not None:
-        lock.release()
-    distributed.shutdown()
-    if result is not None:
-        st = result.stats
-        print(f"{'rank ' + str(rank) + ': ' if size > 1 else ''}{st['generated_tokens']} tokens in "
-              f"{st['time_total']:.1f} s ({st['tokens_per_second']:.1f} tokens/s), mean accepted length "
-              f"{st['mean_accepted_length']:.2f}, alignment {100 * st['align_share']:.1f}%"
-              + (f"; results in {args.out}" if args.out and rank == 0 else ""), file=sys.stderr)
-    return leave(0) if size > 1 else 0
+
+def _merge_parts(out, order, previous, every_part) -> None:
+    """Rank 0 after a data-parallel run: OUT gets every result (kept ones and each part file's)
+    before any part file is removed."""
+    from .io import ResultWriter, read_done
+    done = dict(previous)
+    for path in every_part:
+        done.update(read_done(path))
+    ResultWriter(out, order, done).finish()  # OUT holds every result before any part goes
+    for path in every_part:
+        os.remove(path)
+
+
+def _print_summary(st: dict, rank: int, size: int, out) -> None:
+    print(f"{'rank ' + str(rank) + ': ' if size > 1 else ''}{st['generated_tokens']} tokens in "
+          f"{st['time_total']:.1f} s ({st['tokens_per_second']:.1f} tokens/s), mean accepted length "
+          f"{st['mean_accepted_length']:.2f}, alignment {100 * st['align_share']:.1f}%"
+          + (f"; results in {out}" if out and rank == 0 else ""), file=sys.stderr)
 
 
 class StdoutPrinter:
@@ -600,12 +635,8 @@ def _expressible_on(engine, vectors, sampled: bool, processors: bool):
 
 def _conform_run(args) -> int:
     """Vectors (greedy, processor or sampled) sent to a running server; its answers appended to --out as they arrive."""
-    import hashlib
-    import json
-
     from .conform import load_vectors
-    from .io import InputError, OutputLock, ResultWriter, check_output_path, read_done
-    from .resume import RECORD_FORMAT, check_same_run, write_record
+    from .io import OutputLock, ResultWriter, check_output_path
     from .processor_vectors import is_processor_vectors, load_processor_vectors
     from .sampled import is_sampled, load_sampled_vectors
     from .serving import ServerEngine, ServerError, run_vectors
@@ -625,19 +656,7 @@ def _conform_run(args) -> int:
     out = Path(args.out)
     lock = OutputLock(out)
     try:
-        record = dict(format=RECORD_FORMAT, kind="server-outputs", vectors=vectors.manifest.get("checksums"),
-                      server=engine.url, api=engine.api, model=args.model, logprobs=args.logprobs, seeds=engine.seeds,
-                      extra=extra, order=None if sampled or processors else args.order)
-        record["vectors_sha256"] = hashlib.sha256(json.dumps(vectors.manifest, sort_keys=True).encode()).hexdigest()
-        has_results = out.exists() and out.stat().st_size > 0
-        previous = {}
-        if args.resume and (has_results or Path(f"{out}.settings.json").exists()):
-            check_same_run(out, record)
-            previous = read_done(out, known_ids=ids)
-        elif has_results and not args.overwrite:
-            raise InputError(f"--out {out} already holds results; pass --resume to send only the missing requests, "
-                             "or --overwrite to replace it")
-        write_record(out, record)
+        previous = _server_outputs_kept(args, out, ids, engine, vectors, extra, ordered=not (sampled or processors))
         for line in engine.limits:
             print(f"note: {args.api}: {line}", file=sys.stderr)
         writer = ResultWriter(out, ids, previous)
@@ -669,6 +688,31 @@ def _conform_run(args) -> int:
         return 0
     finally:
         lock.release()
+
+
+def _server_outputs_kept(args, out: Path, ids, engine, vectors, extra, ordered: bool) -> dict:
+    """The outputs already in --out that a --resume keeps (the run must be the one that wrote them:
+    same vectors, server, API and request fields); a new run records itself. Results are replaced
+    only with --overwrite."""
+    import hashlib
+    import json
+
+    from .io import InputError, read_done
+    from .resume import RECORD_FORMAT, check_same_run, write_record
+    record = dict(format=RECORD_FORMAT, kind="server-outputs", vectors=vectors.manifest.get("checksums"),
+                  server=engine.url, api=engine.api, model=args.model, logprobs=args.logprobs, seeds=engine.seeds,
+                  extra=extra, order=args.order if ordered else None)
+    record["vectors_sha256"] = hashlib.sha256(json.dumps(vectors.manifest, sort_keys=True).encode()).hexdigest()
+    has_results = out.exists() and out.stat().st_size > 0
+    previous = {}
+    if args.resume and (has_results or Path(f"{out}.settings.json").exists()):
+        check_same_run(out, record)
+        previous = read_done(out, known_ids=ids)
+    elif has_results and not args.overwrite:
+        raise InputError(f"--out {out} already holds results; pass --resume to send only the missing requests, "
+                         "or --overwrite to replace it")
+    write_record(out, record)
+    return previous
 
 
 def _conform_check_sampled(args) -> int:
@@ -848,7 +892,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      "provably output-equivalent to target-only decoding.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_generate, _add_verify, _add_bench, _add_demo, _add_conform, _add_check_trace):
+        add(sub)
+    return parser
 
+
+def _add_generate(sub) -> None:
+    """generate: prompts in, results out."""
     p = sub.add_parser("generate", help="generate for a prompt file, writing JSONL results")
     add_model_args(p)
     add_decoding_args(p)
@@ -862,6 +912,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_tensor_parallel(p)
     p.set_defaults(run=cmd_generate)
 
+
+def _add_verify(sub) -> None:
+    """verify: a strategy against target-only greedy decoding."""
     p = sub.add_parser("verify", help="prove equivalence: compare a strategy with target-only greedy decoding")
     add_model_args(p)
     add_decoding_args(p)
@@ -875,6 +928,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_tensor_parallel(p)
     p.set_defaults(run=cmd_verify)
 
+
+def _add_bench(sub) -> None:
+    """bench: methods side by side in one run."""
     p = sub.add_parser("bench", help="compare methods side by side in one run: table, JSON and plots")
     add_model_args(p, command="bench")
     p.add_argument("--prompts", default=None, help="prompt file (JSONL or text; default: the 13 prompts shipped "
@@ -884,9 +940,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the first N prompts of each 'category' (Spec-Bench JSONL)")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8], help="comma-separated batch sizes to run "
                    "each method at (default: 1,2,4,8)")
-    p.add_argument("--methods", default="ar,spec1,eqspec,exspec,ragged",
-                   help="comma-separated: ar, spec1, eqspec, exspec, ragged, hf-assisted, and the deliberately "
-                        "broken bsp-like, dsd-like (correctness table)")
+    p.add_argument("--methods", default="ar,spec1," + ",".join(strategy_names()),
+                   help=f"comma-separated: ar, spec1, {', '.join(strategy_names())}, hf-assisted, and the "
+                        "deliberately broken bsp-like, dsd-like (correctness table)")
     add_options(p, ("num_draft_tokens", "max_new_tokens", "max_wait", "pool_window"), "bench")
     add_proposal_args(p)
     p.add_argument("--repeats", type=positive_int, default=1, help="runs of every (method, batch size), "
@@ -904,6 +960,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a bench already in --out-dir")
     p.set_defaults(run=cmd_bench)
 
+
+def _add_demo(sub) -> None:
+    """demo: SmolLM2 end to end."""
     p = sub.add_parser("demo", help="SmolLM2-135M-Instruct end to end: answers, speed, equivalence")
     add_options(p, ("batch_size", "max_new_tokens", "num_draft_tokens"), "demo")
     p.add_argument("--draft", default=DEMO_DRAFT, help="draft (the --draft forms of generate); "
@@ -913,8 +972,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offline", action="store_true", help="skip the download; use tiny random models")
     p.set_defaults(run=cmd_demo)
 
+
+def _add_conform(sub) -> None:
+    """conform: make, check, run and sample vectors."""
     p = sub.add_parser("conform", help="conformance vectors for any engine, and the checker of its outputs")
     act = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for add in (_add_conform_make, _add_conform_check, _add_conform_run, _add_conform_sample):
+        add(act)
+    p.set_defaults(run=cmd_conform)
+
+
+def _add_conform_make(act) -> None:
+    """conform make: vectors for a target model."""
     m = act.add_parser("make", help="write conformance vectors for a target model")
     m.add_argument("--target", required=True, help="model (the --target forms of generate)")
     add_options(m, ("dtype", "device"))
@@ -938,6 +1007,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "template")
     m.add_argument("--eos-ids", default=None, help="--sampled: the ids a row stops at, comma-separated (default: the "
                    "model's); add the end tokens an engine always stops at (llama.cpp: its end-of-generation set)")
+
+
+def _add_conform_check(act) -> None:
+    """conform check: an engine's outputs against the vectors."""
     c = act.add_parser("check", help="compare an engine's outputs (JSONL: id, token_ids) with the vectors "
                        "(exit 0 conformant, 1 divergence, missing/extra ids or, for sampled vectors, a rejected "
                        "distribution test; 2 unreadable)")
@@ -962,6 +1035,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--without", default="", help="processor vectors: leave out the requests (sampled: the settings) "
                    "that use these processors (comma-separated), which the engine refuses (vLLM with speculation: "
                    "logit_bias)")
+
+
+def _add_conform_run(act) -> None:
+    """conform run: vectors sent to a running server."""
     r = act.add_parser("run", help="send vectors (greedy or sampled) to a running inference server and write its "
                        "outputs for conform check")
     r.add_argument("vectors", help="folder written by conform make (greedy or --sampled)")
@@ -985,6 +1062,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, type=output_path, help="outputs file (JSONL: id, token_ids, finish_reason[, top])")
     r.add_argument("--resume", action="store_true", help="keep the outputs already in --out, send the rest")
     r.add_argument("--overwrite", action="store_true", help="replace an --out that already holds outputs")
+
+
+def _add_conform_sample(act) -> None:
+    """conform sample: specbatch or transformers on vectors."""
     s_ = act.add_parser("sample", help="run specbatch (or transformers) on vectors (greedy or sampled) and write "
                         "its outputs for conform check (appended as they finish; --resume runs the rest)")
     s_.add_argument("vectors", help="folder written by conform make (greedy or --sampled)")
@@ -999,13 +1080,14 @@ def build_parser() -> argparse.ArgumentParser:
     s_.add_argument("--out", required=True, type=output_path, help="outputs file to write (JSONL: id, token_ids)")
     s_.add_argument("--resume", action="store_true", help="keep the outputs already in --out, run the rest")
     s_.add_argument("--overwrite", action="store_true", help="replace an --out that already holds outputs")
-    p.set_defaults(run=cmd_conform)
 
+
+def _add_check_trace(sub) -> None:
+    """check-trace: a round trace against the invariants."""
     p = sub.add_parser("check-trace", help="validate a round trace against the invariants (exit 0 valid, "
                        "1 violation, 2 unreadable)")
     p.add_argument("file", help="trace file (JSONL) written with trace= / --trace")
     p.set_defaults(run=cmd_check_trace)
-    return parser
 
 
 def main(argv=None) -> int:

@@ -237,10 +237,10 @@ MUTANTS = [
     ("accelerators-get-the-cpu-choices", "device", "fast/backend.py",
      'return CHOICES["cpu" if torch.device(device).type == "cpu" else "cuda"]', 'return CHOICES["cpu"]', BACKEND),
     ("parts-removed-before-the-merge", "files", "specbatch/cli.py",
-     "            ResultWriter(args.out, order, done).finish()  # OUT holds every result before any part goes\n"
-     "            for path in every_part:\n                os.remove(path)\n",
-     "            for path in every_part:\n                os.remove(path)\n"
-     "            ResultWriter(args.out, order, done).finish()\n", ["tests/test_distributed.py"]),
+     "    ResultWriter(out, order, done).finish()  # OUT holds every result before any part goes\n"
+     "    for path in every_part:\n        os.remove(path)\n",
+     "    for path in every_part:\n        os.remove(path)\n"
+     "    ResultWriter(out, order, done).finish()\n", ["tests/test_distributed.py"]),
     # ---- the sampled checker (specbatch.sampled): each changes a verdict
     ("pit-not-randomised", "sampled checker", "specbatch/sampled.py",
      "pit = before + rng.random(tokens.shape) * p", "pit = before + p", SAMPLED),
@@ -276,10 +276,10 @@ MUTANTS = [
      "if key in echoed and key in asked and not _same(echoed[key], asked[key]):",
      "if key in echoed and key in asked and not _same(echoed[key], echoed[key]):", SERVER),
     ("server-run-resends-finished", "servers", "specbatch/cli.py",
-     "            previous = read_done(out, known_ids=ids)\n        elif has_results and not args.overwrite:",
-     "            previous = {}\n        elif has_results and not args.overwrite:", SERVER),
+     "        previous = read_done(out, known_ids=ids)\n    elif has_results and not args.overwrite:",
+     "        previous = {}\n    elif has_results and not args.overwrite:", SERVER),
     ("server-run-overwrites-silently", "servers", "specbatch/cli.py",
-     "        elif has_results and not args.overwrite:", "        elif has_results and args.overwrite:", SERVER),
+     "    elif has_results and not args.overwrite:", "    elif has_results and args.overwrite:", SERVER),
     ("differential-uses-the-ulp-rule", "servers", "specbatch/conform.py",
      "    if reference is not None and tolerance is None:", "    if reference is None and tolerance is None:", SERVER),
     ("tie-gap-to-the-runner-up", "greedy checker", "specbatch/conform.py",
@@ -312,7 +312,7 @@ MUTANTS = [
     ("model-cache-digest-unchecked", "files", "fast/loading.py",
      "if recorded.get(name) != digest]", "if recorded.get(name) is None and False]", HOSTILE),
     ("torchrun-merge-drops-out", "files", "specbatch/cli.py",
-     "            done = dict(previous)\n", "            done = {}\n",
+     "    done = dict(previous)\n", "    done = {}\n",
      ["tests/test_distributed.py::test_a_torchrun_resume_keeps_the_results_already_in_out"]),
     # ---- the options checks the CLI and API document (docs/cli.md's table)
     ("top-p-zero-accepted", "options", "specbatch/options.py",
