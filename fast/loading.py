@@ -13,7 +13,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -33,7 +35,6 @@ class ModelLoadError(SpecbatchError):
 
 
 TARGET_NAMES = ("smollm2",)
-DRAFT_NAMES = ("none", "lookup", "truncated:N", "feature:DIR", "conditioned:DIR", *DISTILLED_DRAFTS, *FEATURE_HEADS)
 
 
 def unknown_model(spec: str, names) -> ModelLoadError:
@@ -288,16 +289,89 @@ def conditioned_draft(folder: Path, target, dtype, device):
     return ReducedHeadDraft(model, json.loads((folder / "output_tokens.json").read_text()), projection)
 
 
+@dataclass(frozen=True)
+class DraftKind:
+    """A draft by name: `factory(argument, target, dtype, device)` builds it for `target`. A kind with
+    an `argument` (its metavar, e.g. "N") is named "NAME:ARGUMENT"; one without is named "NAME"."""
+
+    factory: Callable
+    argument: str | None = None
+
+
+def _lookup(argument, target, dtype, device):
+    from .lookup_draft import PromptLookupDraft
+    from .models import vocab_size
+    return PromptLookupDraft(vocab_size(target), device=device, generation_config=target.generation_config)
+
+
+def _truncated(count, target, dtype, device):
+    if not count.isdigit() or int(count) < 1:
+        raise ModelLoadError(f"truncated:N needs a positive number of layers, got 'truncated:{count}'")
+    layers = target.config.num_hidden_layers
+    if int(count) >= layers:
+        raise ModelLoadError(f"truncated:{count}: the target has {layers} layers; a truncated draft keeps fewer "
+                             f"(truncated:1 .. truncated:{layers - 1})")
+    return truncated_draft(target, int(count))
+
+
+def _trained_for_target(kind: str):
+    """feature:DIR / conditioned:DIR: drafts that read the target's features, trained for it."""
+    def build(where, target, dtype, device):
+        folder = Path(where).expanduser()
+        if not folder.is_dir():
+            raise ModelLoadError(f"{kind}:{where}: {folder} is not a folder (a training/train_{kind}_draft.py output)")
+        return feature_draft(folder, target) if kind == "feature" else conditioned_draft(folder, target, dtype, device)
+    return build
+
+
+def _distilled(name: str, full_head: bool):
+    """A committed distilled draft, its head reduced to the tokens it was trained to predict (full_head: whole)."""
+    def build(argument, target, dtype, device):
+        folder = DISTILLED_DRAFTS[name]
+        if not (folder / "model.safetensors").is_file():
+            raise ModelLoadError(f"the distilled draft {name!r} is missing from this installation ({folder})")
+        model, _ = load_model(str(folder), dtype, device)
+        tokens = folder / "output_tokens.json"
+        if not full_head and tokens.is_file():
+            import json
+
+            from .reduced_head import ReducedHeadDraft
+            model = ReducedHeadDraft(model, json.loads(tokens.read_text()))
+        return model
+    return build
+
+
+# Every draft known by name (load_draft reads it before trying a path or a hub id). A new kind of
+# draft is its module and one entry here (or register_draft from your own code).
+DRAFT_KINDS: dict[str, DraftKind] = {
+    "lookup": DraftKind(_lookup),
+    "truncated": DraftKind(_truncated, "N"),
+    "feature": DraftKind(_trained_for_target("feature"), "DIR"),
+    "conditioned": DraftKind(_trained_for_target("conditioned"), "DIR"),
+    **{name: DraftKind(lambda argument, target, dtype, device, folder=folder: feature_draft(folder, target))
+       for name, folder in FEATURE_HEADS.items()},
+    **{name: DraftKind(_distilled(name, False)) for name in DISTILLED_DRAFTS},
+    **{f"{name}-full": DraftKind(_distilled(name, True)) for name in DISTILLED_DRAFTS},
+}
+
+
+def register_draft(name: str, kind: DraftKind) -> None:
+    """Make `name` (or "name:ARGUMENT") a --draft spec, as the kinds in DRAFT_KINDS."""
+    if name in DRAFT_KINDS or name == "none":
+        raise ValueError(f"a draft named {name!r} is already registered")
+    DRAFT_KINDS[name] = kind
+
+
+def draft_names() -> tuple:
+    """The draft specs known by name, as a user writes them ("truncated:N")."""
+    return ("none", *(name + (f":{kind.argument}" if kind.argument else "") for name, kind in DRAFT_KINDS.items()))
+
+
 def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """(draft or None, its tokenizer or None) for a draft spec: "none", "lookup" (prompt lookup
-    alone), "truncated:N" (the target's first N layers), "smollm2-draft" (the committed distilled
-    draft, its head reduced to the tokens it was trained to predict; "smollm2-draft-full": the whole
-    head), "smollm2-head" (the committed feature head for SmolLM2: reads the target's features, ragged
-    only), "feature:DIR" and "conditioned:DIR" (drafts that read the target's features, trained for it
-    by training/train_feature_draft.py and train_conditioned_draft.py; ragged only), any model
+    """(draft or None, its tokenizer or None) for a draft spec: "none", a name of DRAFT_KINDS ("lookup",
+    "truncated:N", "smollm2-draft", "smollm2-head", "feature:DIR", ...: docs/drafts.md), any model
     `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
     from .lookup_draft import LookupFirstDraft, PromptLookupDraft
-    from .models import vocab_size
     if spec in (None, "none"):
         return None, None
     if spec.endswith("+lookup"):
@@ -305,38 +379,8 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
         if model is None or isinstance(model, PromptLookupDraft):
             raise ModelLoadError(f"'+lookup' needs a draft model in front of it, got {spec!r}")
         return LookupFirstDraft(model), tokenizer
-    if spec == "lookup":
-        return PromptLookupDraft(vocab_size(target), device=device, generation_config=target.generation_config), None
-    if spec.startswith("truncated:"):
-        count = spec.split(":", 1)[1]
-        if not count.isdigit() or int(count) < 1:
-            raise ModelLoadError(f"truncated:N needs a positive number of layers, got {spec!r}")
-        layers = target.config.num_hidden_layers
-        if int(count) >= layers:
-            raise ModelLoadError(f"{spec}: the target has {layers} layers; a truncated draft keeps fewer "
-                                 f"(truncated:1 .. truncated:{layers - 1})")
-        return truncated_draft(target, int(count)), None
-    if spec in FEATURE_HEADS:  # feature_draft refuses a folder without weights by name
-        return feature_draft(FEATURE_HEADS[spec], target), None
-    kind, colon, where = spec.partition(":")
-    if colon and kind in ("feature", "conditioned"):  # drafts that read the target's features, trained for it
-        folder = Path(where).expanduser()
-        if not folder.is_dir():
-            raise ModelLoadError(f"{spec}: {folder} is not a folder (a training/train_{kind}_draft.py output)")
-        return (feature_draft(folder, target) if kind == "feature" else
-                conditioned_draft(folder, target, dtype, device)), None
-    full_head = spec.endswith("-full") and spec[: -len("-full")] in DISTILLED_DRAFTS
-    if spec in DISTILLED_DRAFTS or full_head:
-        name = spec[: -len("-full")] if full_head else spec
-        folder = DISTILLED_DRAFTS[name]
-        if not (folder / "model.safetensors").is_file():
-            raise ModelLoadError(f"the distilled draft {name!r} is missing from this installation ({folder})")
-        model, _ = load_model(str(folder), dtype, device)
-        tokens = folder / "output_tokens.json"
-        if not full_head and tokens.is_file():  # the head over the tokens it was trained to predict
-            import json
-
-            from .reduced_head import ReducedHeadDraft
-            model = ReducedHeadDraft(model, json.loads(tokens.read_text()))
-        return model, None
-    return load_model(spec, dtype, device, names=DRAFT_NAMES + tuple(f"{n}+lookup" for n in DISTILLED_DRAFTS))
+    name, colon, argument = spec.partition(":")
+    kind = DRAFT_KINDS.get(name)
+    if kind is not None and (kind.argument is not None) == bool(colon):
+        return kind.factory(argument if colon else None, target, dtype, device), None
+    return load_model(spec, dtype, device, names=draft_names() + tuple(f"{n}+lookup" for n in DISTILLED_DRAFTS))

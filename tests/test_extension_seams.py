@@ -1,16 +1,24 @@
 """The extension seams are real: a strategy registered from this file alone (one class for the torch
 engine, its twin function for the reference) runs through specbatch.generate, the reference and the
-CLI's choices, and is exact against target-only decoding on both."""
+CLI's choices, and is exact against target-only decoding on both; a draft kind registered from this
+file alone loads by name (API and CLI) and is exact under every strategy."""
+import json
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
 import specbatch
 from hf_models import EOS, VOCAB, oracle, tiny
 from reference_cases import TARGET, oracle as reference_oracle
 from specbatch import reference
-from specbatch.cli import build_parser
+from specbatch.cli import build_parser, main
+from specbatch.fast import loading
 from specbatch.fast import strategies as fast_strategies
 from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.loading import DraftKind, load_draft
+from specbatch.fast.models import WeightlessLM, vocab_size
 from specbatch.fast.strategies.eqspec import Eqspec
 from specbatch.reference import ScriptedDraft as ReferenceScriptedDraft, deviate_hashed
 from specbatch.reference import strategies as reference_strategies
@@ -85,3 +93,54 @@ def test_registering_a_taken_name_is_refused():
         fast_strategies.register("ragged", ShortestFirst)
     with pytest.raises(ValueError, match="already registered"):
         reference_strategies.register("ragged", shortest_first)
+
+
+class EchoDraft(WeightlessLM):
+    """Toy draft kind: proposes the token it was just fed (accepted wherever the target repeats a token),
+    with a dummy cache entry per token so that the engine's cache bookkeeping runs as for a model."""
+
+    def __init__(self, vocab: int, generation_config=None):
+        super().__init__(vocab, "echo", generation_config)
+        self.register_buffer("scores", 4.0 * torch.eye(vocab, dtype=torch.float64))
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, logits_to_keep=0, **kw):
+        dummy = torch.zeros(input_ids.shape[0], 1, input_ids.shape[1], 1, dtype=torch.float64,
+                            device=input_ids.device)
+        cache.update(dummy, dummy, 0)
+        logits = self.scores[input_ids]
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+@pytest.fixture()
+def echo(monkeypatch):
+    monkeypatch.setitem(loading.DRAFT_KINDS, "echo", DraftKind(
+        lambda argument, target, dtype, device: EchoDraft(vocab_size(target), target.generation_config).to(device)))
+    return "echo"
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "ragged"])
+@pytest.mark.parametrize("spec", ["echo", "echo+lookup"])
+def test_a_registered_draft_kind_loads_by_name_and_is_exact(echo, strategy, spec):
+    target = tiny("llama")
+    draft, _ = load_draft(spec, target)
+    budgets = [12, 4, 9, 16, 6]
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=budgets, num_draft_tokens=3, batch_size=3,
+                                strategy=strategy, check_invariants=True, policy="fixed")
+    assert result.sequences == oracle(target, PROMPTS, budgets, [EOS])
+    assert result.stats["drafted_tokens"] > 0
+
+
+def test_a_registered_draft_kind_is_a_cli_draft_and_is_named_among_the_known(echo, folders, prompt_file, tmp_path,
+                                                                            capsys):
+    out = tmp_path / "out.jsonl"
+    common = ["--target", str(folders["target"]), "--prompts", str(prompt_file), "--max-new-tokens", "6",
+              "--dtype", "float64"]
+    assert main(["generate", *common, "--draft", echo, "--out", str(out)]) == 0
+    assert main(["generate", *common, "--draft", "none", "--out", str(tmp_path / "alone.jsonl")]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    alone = [json.loads(x) for x in (tmp_path / "alone.jsonl").read_text().splitlines()]
+    assert [x["token_ids"] for x in lines] == [x["token_ids"] for x in alone]
+    assert main(["generate", *common, "--draft", "ech", "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "did you mean 'echo'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="already registered"):
+        loading.register_draft("lookup", DraftKind(lambda *a: None))
