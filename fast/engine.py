@@ -1,5 +1,5 @@
-"""What every torch strategy shares: settings, statistics, timing, results, and the per-round
-invariant checks and trace rows (check_invariants=True / trace=path)."""
+"""What every torch strategy shares: settings, statistics, timing, results, the draft loop, and
+the checks of forwards and caches that the observer (fast.observer) runs."""
 from __future__ import annotations
 
 import time
@@ -10,15 +10,14 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..invariants import (TraceWriter, check_kv, check_mask, check_positions, check_round_commit,
-                          mask_strings, raise_if)
+from ..invariants import check_kv, check_mask, check_positions
 from .backend import CHOICES, Backend
 from .cache import layout_index, rect_inputs
 from .models import ModelRunner
+from .observer import Observer
 from .policy import RoundInfo, RoundOutcome
 from .proposals import ThresholdRule
 from .sampling import Greedy
-from .verify import committed_lists
 
 
 class Arrivals:
@@ -60,8 +59,7 @@ class Settings:
     device: torch.device
     fill: float  # additive mask value of a hidden slot
     pad_id: int = 0
-    check: bool = False
-    trace: TraceWriter | None = None
+    observer: Observer = field(default_factory=Observer)  # fast.observer: invariant checks, trace rows
     chooser: object = field(default_factory=Greedy)  # fast.sampling: Greedy, Rejection or Coupled
     processors: object = None  # fast.processors.LogitProcessors (None: no penalties, bias, min_tokens or stops)
     arrivals: Arrivals | None = None  # when requests become available (None: all at once)
@@ -289,13 +287,6 @@ def record_round(settings: Settings, clock, requests, proposals: Proposals, acce
                                         verify_tokens, verify_seconds, proposals.lookup_rows, ended))
 
 
-def check_proposals(settings: Settings, proposals: Proposals) -> list:
-    """I7: every row's proposal length is the rule's, from its own confidences and limit."""
-    confidence = (proposals.confidence.float().cpu().numpy() if proposals.confidence is not None
-                  else np.zeros((len(proposals.limit), 0)))
-    return proposals.rule.check(proposals.proposed, confidence)
-
-
 def check_rect_forward(pad_len: torch.Tensor, first_col: int, position_ids, mask, window) -> list:
     """I2 and I4 for one rectangular forward; expected indices come from the lengths alone."""
     slot = layout_index(pad_len, first_col + position_ids.shape[1])
@@ -338,40 +329,6 @@ def dynamic_layer_kv(cache: DynamicCache, row: int):
     return lambda layer: (cache.layers[layer].keys[row].transpose(0, 1), cache.layers[layer].values[row].transpose(0, 1))
 
 
-def observe_round(settings: Settings, found: list, round_index: int, rows: dict, queries, proposals: Proposals,
-                  choice, accepted, n, remaining, finished, stopped=None) -> None:
-    """check_invariants (I5, I6 of the commit, I7 of the proposals) and trace output of one round,
-    for any layout.
-
-    rows: requests, prompt_len, tokens, pad_len and content_len of the round's rows (host or device);
-    queries: per row, the position ids [Q_i] and the visible slots [Q_i, S] (bool) of its verify
-    queries, as host arrays (a row's own queries only); stopped [R]: the rows a stop string ended."""
-    if not (settings.check or settings.trace is not None):
-        return
-    committed = committed_lists(choice, n)
-    p = proposals.proposed
-    drafted = proposals.drafted.cpu().numpy()
-    if settings.check:
-        width = proposals.width - 1
-        found += check_round_commit(drafted[:, :width], choice.cpu().numpy(), p, accepted, committed,
-                                    remaining, settings.eos_ids, stopped)
-        found += check_proposals(settings, proposals)
-    if settings.trace is not None:
-        host_choice = choice.cpu().numpy()
-        confidence = (proposals.confidence.float().cpu().numpy() if proposals.confidence is not None
-                      else np.zeros((len(p), 0)))
-        tokens = rows["tokens"].cpu().numpy()
-        settings.trace.round(round_index, [dict(
-            request=int(rows["requests"][i]), prompt_len=int(rows["prompt_len"][i]), tokens=tokens[i].tolist(),
-            pad_len=int(rows["pad_len"][i]), content_len=int(rows["content_len"][i]),
-            positions=[int(x) for x in queries[i][0]], mask=mask_strings(queries[i][1]),
-            drafted=drafted[i, :p[i]].tolist(), target_argmax=host_choice[i, :p[i] + 1].tolist(),
-            draft_limit=int(p[i]), cap=int(proposals.limit[i]), limit=int(proposals.limit[i]),
-            **proposals.rule.fields(i),
-            draft_confidence=[float(c) for c in confidence[i]], accepted=int(accepted[i]),
-            committed=list(committed[i]), finished=bool(finished[i])) for i in range(len(p))])
-
-
 def rect_queries(positions, mask, proposed) -> list:
     """Per row, the position ids and visible slots of its own verify queries (the first p_i + 1
     columns of a rectangular verify; the rest are never accepted)."""
@@ -379,5 +336,4 @@ def rect_queries(positions, mask, proposed) -> list:
     return [(positions[i, :p + 1], visible[i, :p + 1]) for i, p in enumerate(proposed)]
 
 
-raise_violations = raise_if
 

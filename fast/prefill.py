@@ -54,11 +54,11 @@ def packed_inputs(contents: list[list[int]], window: int | None, dtype, fill: fl
 
 
 def prefill_into(runner, cache: SlotCache, contents: list[list[int]], slot_rows: list[int], first_index: list[int],
-                 settings, found: list | None = None, route=None) -> None:
+                 settings, route=None) -> None:
     """Prefill `contents` (one token list per row) into `cache`: content index j of row i goes to slot
     row slot_rows[i], slot first_index[i] + j. Packs of at most PACK_TOKENS tokens, one forward each.
 
-    found: when a list, I2/I4 violations of each pack's positions and mask are added to it.
+    I2 and I4 of each pack's positions and mask go to settings.observer.
     route(rows [1, T], index [1, T]) -> extra keyword arguments of the pack's forward, given each
     token's slot row and content index (fast.feature_draft: where the target's features go, and
     the features a feature draft reads)."""
@@ -69,19 +69,18 @@ def prefill_into(runner, cache: SlotCache, contents: list[list[int]], slot_rows:
         rows = torch.tensor([slot_rows[i] for i in pack], device=s.device)[segment]
         first = torch.tensor([first_index[i] for i in pack], device=s.device)[segment]
         cache.prepare_packed(rows[None], (first + pos[0])[None])
-        if found is not None:
-            found += check_packed_forward(pos, mask, [len(contents[i]) for i in pack], s.window)
+        s.observer.check(lambda: check_packed_forward(pos, mask, [len(contents[i]) for i in pack], s.window))
         extra = route(rows[None], pos) if route is not None else {}
         runner(ids, pos, mask, cache, last_only=True, **extra)
 
 
-def prefill_rectangle(runner, contents: list[list[int]], width: int, settings, found: list | None = None) -> DynamicCache:
+def prefill_rectangle(runner, contents: list[list[int]], width: int, settings) -> DynamicCache:
     """A left-padded cache [B, H, width, D] per layer holding each row's contents right-aligned
     (content j of row i at column width - len(contents[i]) + j), prefilled in packs; padding
     columns hold zeros that the rectangular masks never show."""
     buffer = SlotCache(runner.num_layers, len(contents), width, settings.device)
     prefill_into(runner, buffer, contents, list(range(len(contents))), [width - len(c) for c in contents],
-                 settings, found)
+                 settings)
     cache = DynamicCache()
     for index, layer in enumerate(buffer.layers):
         if layer.is_initialized:

@@ -5,8 +5,8 @@ A proposer owns what the draft keeps per slot row and nothing else: its K/V (a S
 row's committed tokens not yet in that cache (`pending`), and for a draft that reads the target's
 features (fast.feature_draft) the features of each row's content. The engine calls
 
-    prefill(prompts, slots, found)                     newly placed requests, after the target's prefill
-    propose(rows, content, remaining, requests, waiting, found) -> Proposals   this round's, per row
+    prefill(prompts, slots)                            newly placed requests, after the target's prefill
+    propose(rows, content, remaining, requests, waiting) -> Proposals   this round's, per row
     update(rows, committed, accepted, proposals)       what each row committed (keeps I3 for the draft cache)
     move_row(src, dst, count)                          compaction
     check_cache(row, content)                          I3 on one row
@@ -38,10 +38,10 @@ class NoDraft:
     def __init__(self, settings: Settings):
         self.settings = settings
 
-    def prefill(self, prompts, slots, found) -> None:
+    def prefill(self, prompts, slots) -> None:
         pass
 
-    def propose(self, rows, content, remaining, requests, waiting, found) -> Proposals:
+    def propose(self, rows, content, remaining, requests, waiting) -> Proposals:
         s = self.settings
         return draft_round(None, s, np.zeros(len(rows), dtype=np.int64), requests,
                            torch.as_tensor(content, device=s.device), s.device, None, remaining, waiting)
@@ -87,28 +87,28 @@ class DraftProposer:
             hidden = int(draft.model.config.hidden_size)
             self.features = FeatureBuffer(slots, capacity, hidden, settings.dtype, dev)
 
-    def forward(self, query_index: np.ndarray, ids, found, features=None, rows=None):
+    def forward(self, query_index: np.ndarray, ids, features=None, rows=None):
         """The draft's logits at each row's last query; rows: the rows to compute (None: all)."""
         extra = dict(self.options)
         if features is not None:
             extra["features"] = features
         if rows is not None:
             extra["rows"] = rows
-        out, _, _ = slot_forward(self.draft, self.cache, query_index, ids, self.settings, found, self.grouped,
+        out, _, _ = slot_forward(self.draft, self.cache, query_index, ids, self.settings, self.grouped,
                                  last_only=True, **extra)
         return out[:, -1]
 
-    def prefill(self, prompts, slots, found) -> None:
+    def prefill(self, prompts, slots) -> None:
         """Each prompt but its last token (pending) into the slot rows `slots` (a feature draft reads
         the features the target's prefill just wrote)."""
         route = None
         if self.features is not None:
             route = lambda rows, index: {"features": self.features.inputs(rows, index)}  # noqa: E731
         prefill_into(self.draft, self.cache, [p[:-1] for p in prompts], list(slots), [0] * len(prompts),
-                     self.settings, found, route)
+                     self.settings, route)
         self.pending[slots] = 1
 
-    def propose(self, rows, content, remaining, requests, waiting, found) -> Proposals:
+    def propose(self, rows, content, remaining, requests, waiting) -> Proposals:
         """Each running row's proposals, at most min(k, remaining - 1) (I5's budget side)."""
         s = self.settings
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
@@ -130,7 +130,7 @@ class DraftProposer:
                 estimate = self.draft.last_features
                 if self.features is not None and estimate is not None:  # past the content: the draft's own
                     features = estimate[:, -1:]                            # estimate from the step before
-            return self.forward(query_index, ids, found, features, subset)
+            return self.forward(query_index, ids, features, subset)
 
         lookup = self.lookup_step(rows_dev, content) if self.lookup is not None else None
         return draft_round(step_forward, s, clamp, requests, dev(content), s.device, lookup, remaining, waiting)

@@ -23,18 +23,16 @@ def ragged_inputs(query_index: torch.Tensor, kv_len: int, window: int | None, dt
     return query_index.clamp(min=0), mask[:, None]
 
 
-def slot_forward(runner, cache, query_index: np.ndarray, ids, settings, found, grouped: bool, last_only=False,
-                 **extra):
+def slot_forward(runner, cache, query_index: np.ndarray, ids, settings, grouped: bool, last_only=False, **extra):
     """runner's forward over cache rows 0..R-1 at query_index [R, Q] (host; -1 pads a row's tail);
     grouped: the model runs the engine's attention (uses_engine_attention, asked once per engine).
-    Returns (the runner's output, positions, mask); adds I2/I4 violations to `found` under settings.check."""
+    Returns (the runner's output, positions, mask); I2 and I4 of the forward go to settings.observer."""
     s = settings
     q = torch.as_tensor(query_index, device=s.device)
     cache.prepare(len(query_index), q, int(query_index.max()) + 1)  # host numpy: no device sync
     pos, mask = ragged_inputs(q, cache.kv_len, s.window, s.dtype, s.fill)
-    if s.check:
-        slot = np.broadcast_to(np.arange(cache.kv_len), (len(query_index), cache.kv_len))
-        found += check_positions(pos, query_index) + check_mask(mask, query_index, slot, s.window)
+    s.observer.check(lambda: check_positions(pos, query_index) + check_mask(
+        mask, query_index, np.broadcast_to(np.arange(cache.kv_len), (len(query_index), cache.kv_len)), s.window))
     # each row's visible length: the engine's attention (which groups rows by it) reads no further
     kv_lens = query_index.max(axis=1) + 1 if grouped else None
     return runner(ids, pos, mask, cache, last_only=last_only, kv_lens=kv_lens, **extra), pos, mask

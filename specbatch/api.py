@@ -12,6 +12,7 @@ from .fast.backend import for_device, held_whole
 from .fast.kernels import compiled_blocks, prepacked_linears
 from .fast.policy import PolicySettings, make_policy
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
+from .fast.observer import observer_for
 from .fast.processors import LogitProcessors
 from .fast.sampling import make_chooser
 from .fast.models import (ModelRunner, abilities_of, attention_window, check_pair, context_limit, eos_ids_of,
@@ -165,8 +166,8 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     max_new = _budgets(opts.max_new_tokens, len(ids))
     k = opts.num_draft_tokens if draft is not None else 0
     window = _sliding_window(target, draft, ids, max_new, k)
-    settings = _settings(target, opts, runner.layout, strategy, ids, max_new, k, window, eos_token_id, pad_token_id,
-                         vocab, tokenizer, check_invariants, trace, request_ids)
+    settings, writer = _settings(target, opts, runner.layout, strategy, ids, max_new, k, window, eos_token_id,
+                                 pad_token_id, vocab, tokenizer, check_invariants, trace, request_ids)
     stats = Stats()
     target_runner = ModelRunner(target, lean=opts.lean and not opts.compile)
     draft_runner = ModelRunner(draft, lean=opts.lean and not opts.compile) if draft is not None else None
@@ -188,7 +189,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     stats.time_total = time.perf_counter() - results.start
     stats.target_tokens_processed = target_runner.tokens_processed
     stats.draft_tokens_processed = draft_runner.tokens_processed if draft_runner else 0
-    return results.result(stats, settings.trace, tokenizer, stops_per_prompt(opts.stop, len(ids)), arrivals)
+    return results.result(stats, writer, tokenizer, stops_per_prompt(opts.stop, len(ids)), arrivals)
 
 
 def _check_draft(target, draft, tokenizer, draft_tokenizer, runner, strategy: str) -> None:
@@ -237,9 +238,10 @@ def _sliding_window(target, draft, ids, max_new, k: int) -> int | None:
 
 
 def _settings(target, opts: GenerateOptions, layout: str, strategy: str, ids, max_new, k: int, window, eos_token_id,
-              pad_token_id, vocab: int, tokenizer, check_invariants: bool, trace, request_ids) -> Settings:
-    """The engine's Settings: device and dtype from the target, EOS and pad ids, the chooser and the
-    processors, the proposal policy, and the trace writer (when trace is a path)."""
+              pad_token_id, vocab: int, tokenizer, check_invariants: bool, trace, request_ids):
+    """(the engine's Settings, the trace writer or None): device and dtype from the target, EOS and pad
+    ids, the chooser and the processors, the proposal policy, and the observer of the rounds (invariant
+    checks, the trace when trace is a path)."""
     first = next(iter(list(target.parameters()) + list(target.buffers())))
     device, dtype = first.device, first.dtype
     eos_ids = eos_ids_of(target, eos_token_id)
@@ -255,12 +257,13 @@ def _settings(target, opts: GenerateOptions, layout: str, strategy: str, ids, ma
         writer = TraceWriter(trace, layout=layout, strategy=strategy, eos_token_ids=eos_ids, max_new_tokens=max_new,
                              num_requests=len(ids), window=window, num_draft_tokens=k, draft_threshold=threshold,
                              draft_floor=floor)
-    return Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
-                    pad_id=int(pad_id), check=check_invariants, trace=writer,
-                    chooser=make_chooser(opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.sampling, len(ids),
-                                         device, request_ids, processors),
-                    processors=processors, policy=make_policy(PolicySettings(policy, k, threshold, floor)),
-                    backend=for_device(device))
+    settings = Settings(k=k, eos_ids=eos_ids, window=window, dtype=dtype, device=device, fill=mask_fill_value(dtype),
+                        pad_id=int(pad_id), observer=observer_for(check_invariants, writer),
+                        chooser=make_chooser(opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.sampling,
+                                             len(ids), device, request_ids, processors),
+                        processors=processors, policy=make_policy(PolicySettings(policy, k, threshold, floor)),
+                        backend=for_device(device))
+    return settings, writer
 
 
 class _Results:

@@ -12,6 +12,7 @@ from specbatch.fast.drafts import ScriptedDraft
 from specbatch.fast.attention import engine_attention
 from specbatch.fast.engine import Clock, Settings, Stats
 from specbatch.fast.models import ModelRunner, mask_fill_value
+from specbatch.fast.observer import InvariantChecker
 from specbatch.fast.strategies.ragged import RaggedEngine
 from specbatch.reference import deviate_hashed
 from profiles import examples
@@ -45,7 +46,7 @@ class RaggedMachine(RuleBasedStateMachine):
     @initialize(slots=st.integers(1, 4), k=st.integers(1, 5), seed=st.integers(0, 50))
     def setup(self, slots, k, seed):
         self.settings = Settings(k=k, eos_ids=(EOS,), window=None, dtype=torch.float64, device=torch.device("cpu"),
-                                 fill=mask_fill_value(torch.float64), check=True)
+                                 fill=mask_fill_value(torch.float64), observer=InvariantChecker())
         self.arrivals = ManualArrivals(len(POOL))
         self.settings.arrivals = self.arrivals
         stats = Stats()

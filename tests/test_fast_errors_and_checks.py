@@ -63,15 +63,14 @@ def _broken_positions(monkeypatch):
 
 def _mask_from_pad_id(monkeypatch):
     """Hide every slot whose token equals the pad id (== EOS here), as `tokens != pad_id` masks do."""
-    def forward(self, runner, ids, first_col, cache, found, last_only=False):
+    def forward(self, runner, ids, first_col, cache, last_only=False):
         hidden = torch.zeros(self.size, first_col + ids.shape[1], dtype=torch.bool)
         width = min(self.width, hidden.shape[1])
         hidden[:, :width] = self.tokens[:, :width] == EOS
         s = self.settings
         pos, mask = eqspec.rect_inputs(self.pad_len_t, first_col, ids.shape[1], s.window, s.dtype, s.fill)
         mask = mask.masked_fill(hidden[:, None, None, :], s.fill)
-        if s.check:
-            found += eqspec.check_rect_forward(self.pad_len_t, first_col, pos, mask, s.window)
+        s.observer.check(lambda: eqspec.check_rect_forward(self.pad_len_t, first_col, pos, mask, s.window))
         return runner(ids, pos, mask, cache, last_only=last_only), pos, mask
     monkeypatch.setattr(eqspec.RectBatch, "forward", forward)
 
@@ -123,3 +122,41 @@ def test_deliberately_broken_variants_collapse_and_are_caught(broken):
                          variant=broken, check_invariants=True, **FIXED_K)
     with pytest.raises(ValueError, match="unknown strategy"):  # never through the public API
         specbatch.generate(target, draft, prompts, max_new_tokens=12, strategy=broken)
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "ragged"])
+def test_unwatched_rounds_compute_nothing_for_checks_or_traces(monkeypatch, strategy):
+    """Without check_invariants or trace the observer is the null one: no check, trace row, query
+    layout or row contents is computed (each would raise here), and the output is unchanged."""
+    import specbatch.fast.strategies.ragged as ragged
+    from specbatch.fast.observer import InvariantChecker, Observer, Observers, TraceRecorder, observer_for
+
+    def never(*args, **kwargs):
+        raise AssertionError("computed for nobody")
+    for module, name in ((eqspec, "rect_queries"), (ragged, "rect_queries"), (ragged, "flat_queries"),
+                         (eqspec, "check_rect_forward"), (eqspec, "check_alignment"), (ragged, "check_conservation")):
+        monkeypatch.setattr(module, name, never)
+    monkeypatch.setattr(ragged.RaggedEngine, "_contents", never)
+    target = tiny("llama")
+    draft = ScriptedDraft(target, deviate_hashed(2, 0.3))
+    plain = specbatch.generate(target, draft, PROMPTS, max_new_tokens=8, num_draft_tokens=3, batch_size=2,
+                               strategy=strategy, **FIXED_K)
+    monkeypatch.undo()
+    watched = specbatch.generate(target, draft, PROMPTS, max_new_tokens=8, num_draft_tokens=3, batch_size=2,
+                                 strategy=strategy, check_invariants=True, **FIXED_K)
+    assert plain.sequences == watched.sequences
+    assert type(observer_for(False, None)) is Observer and type(observer_for(True, None)) is InvariantChecker
+    both = observer_for(True, object())
+    assert isinstance(both, Observers) and [type(o) for o in both.observers] == [InvariantChecker, TraceRecorder]
+
+
+def test_the_checker_raises_what_a_round_reported_at_its_end_and_starts_afresh():
+    from specbatch.fast.observer import InvariantChecker
+    from specbatch.invariants import Violation
+    checker = InvariantChecker()
+    checker.check(lambda: [])
+    checker.check(lambda: [Violation("I4", "a query sees a pad", row=1)])
+    with pytest.raises(InvariantError) as caught:
+        checker.end_round(3)
+    assert caught.value.invariant == "I4"
+    checker.end_round(4)  # nothing reported since: the round passes

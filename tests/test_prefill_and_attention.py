@@ -15,6 +15,7 @@ from specbatch.fast.attention import (Plan, current_plan, forward_plan, grouped_
                                       plan_parts, scoped_plan)
 from specbatch.fast.engine import Settings, fresh_kv
 from specbatch.fast.models import ModelRunner, mask_fill_value
+from specbatch.fast.observer import InvariantChecker
 from specbatch.fast.prefill import packed_inputs, plan_packs, prefill_into, prefill_rectangle
 from specbatch.fast.slot_cache import SlotCache
 from specbatch.invariants import check_packed_forward
@@ -52,9 +53,9 @@ def test_packed_prefill_leaves_the_kv_of_unpadded_prefills(monkeypatch, budget):
     contents = [p[:-1] for p in LONG]
     slots = [5, 0, 3, 7, 1, 2, 6, 4]  # rows land in arbitrary slots
     cache = SlotCache(runner.num_layers, 8, 720, settings.device)
-    found = []
-    prefill_into(runner, cache, contents, slots, [0] * len(contents), settings, found)
-    assert found == []
+    settings.observer = checker = InvariantChecker()
+    prefill_into(runner, cache, contents, slots, [0] * len(contents), settings)
+    assert checker.found == []
     assert runner.tokens_processed == sum(len(c) for c in contents)  # real tokens only
     for content, slot in zip(contents, slots):
         if not content:

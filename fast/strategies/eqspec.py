@@ -17,7 +17,7 @@ from ..prefill import prefill_rectangle
 from ...invariants import check_alignment
 from ...reference.pool import FixedBatches
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, draft_round, dynamic_layer_kv,
-                      observe_round, raise_violations, rect_queries, record_round)
+                      rect_queries, record_round)
 from ..processors import STOP, STOP_REASONS
 from ..verify import commit_counts, draft_pending_after
 
@@ -43,13 +43,12 @@ class RectBatch:
                     content_len=prompt_len.copy(), budget_end=prompt_len + np.asarray(max_new),
                     draft_pending=np.ones(len(prompts), dtype=np.int64), tokens=tokens,
                     target_cache=DynamicCache(), draft_cache=DynamicCache())
-        found = [] if settings.check else None
         with clock("time_prefill"):  # real tokens only, packed; the caches come out left-padded (I1)
             contents = [list(p)[:-1] for p in prompts]
-            batch.target_cache = prefill_rectangle(target, contents, width - 1, settings, found)
+            batch.target_cache = prefill_rectangle(target, contents, width - 1, settings)
             if draft is not None:
-                batch.draft_cache = prefill_rectangle(draft, contents, width - 1, settings, found)
-        raise_violations(found or [], 0)
+                batch.draft_cache = prefill_rectangle(draft, contents, width - 1, settings)
+        settings.observer.end_round(0)
         return batch
 
     @property
@@ -64,11 +63,10 @@ class RectBatch:
     def pad_len_t(self) -> torch.Tensor:
         return torch.as_tensor(self.width - self.content_len, device=self.settings.device)
 
-    def forward(self, runner, ids, first_col, cache, found, last_only=False):
+    def forward(self, runner, ids, first_col, cache, last_only=False):
         s = self.settings
         pos, mask = rect_inputs(self.pad_len_t, first_col, ids.shape[1], s.window, s.dtype, s.fill)
-        if s.check:
-            found += check_rect_forward(self.pad_len_t, first_col, pos, mask, s.window)
+        s.observer.check(lambda: check_rect_forward(self.pad_len_t, first_col, pos, mask, s.window))
         return runner(ids, pos, mask, cache, last_only=last_only), pos, mask
 
     def round(self, round_index: int) -> list[tuple[int, list[int], str, int]]:
@@ -77,7 +75,7 @@ class RectBatch:
         self.rounds += 1
         remaining = self.budget_end - self.content_len
         clamp = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(self.size, dtype=np.int64)
-        found = check_alignment(width - self.content_len, self.content_len, width) if s.check else []
+        s.observer.check(lambda: check_alignment(width - self.content_len, self.content_len, width))
 
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
         requests, content = dev(self.request), dev(self.content_len)
@@ -86,7 +84,7 @@ class RectBatch:
 
         def step_forward(step, ids, needed):  # every row is computed (its draft keeps K/V)
             ids = self.tokens[:, width - pending:] if ids is None else ids
-            logits, _, _ = self.forward(self.draft, ids, first[0], self.draft_cache, found, last_only=True)
+            logits, _, _ = self.forward(self.draft, ids, first[0], self.draft_cache, last_only=True)
             first[0] += ids.shape[1]
             return logits[:, -1]
 
@@ -97,7 +95,7 @@ class RectBatch:
 
         with self.clock("time_verify"):
             ids = torch.cat([self.tokens[:, -1:], drafted], dim=1)
-            logits, pos, mask = self.forward(self.target, ids, width - 1, self.target_cache, found)
+            logits, pos, mask = self.forward(self.target, ids, width - 1, self.target_cache)
             choice, accepted_t = s.chooser.verify(logits, drafted, None if q is None else q[:, :drafted.shape[1]],
                                                   dev(p), requests, content)
             n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
@@ -110,16 +108,15 @@ class RectBatch:
         with self.clock("time_align"):
             extended = torch.cat([self.tokens, choice], dim=1)  # committed token j of a row is column width + j
             done = self._collect_finished(extended, finished, n, hit_eos)
-            observe_round(s, found, round_index, dict(requests=self.request, prompt_len=self.prompt_len,
-                                                      tokens=self.tokens, pad_len=width - self.content_len,
-                                                      content_len=self.content_len),
-                          rect_queries(pos, mask, p) if s.check or s.trace else None, proposals, choice, accepted, n,
-                          remaining, finished, hit_eos == STOP)
+            s.observer.round(s, round_index, lambda: dict(requests=self.request, prompt_len=self.prompt_len,
+                                                          tokens=self.tokens, pad_len=width - self.content_len,
+                                                          content_len=self.content_len),
+                             lambda: rect_queries(pos, mask, p), proposals, choice, accepted, n, remaining, finished,
+                             hit_eos == STOP)
             self._update(extended, ~finished, n, accepted, proposals.model_steps)
         self.stats.add_round(p, accepted, n)
-        if s.check:
-            found += self._check_caches(round_index)
-            raise_violations(found, round_index)
+        s.observer.check(lambda: self._check_caches(round_index))
+        s.observer.end_round(round_index)
         return done
 
     def _collect_finished(self, extended, finished, n, hit_eos):

@@ -18,7 +18,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
-from ...invariants import check_conservation, raise_if
+from ...invariants import check_conservation
 from ...reference.pool import ExspecPool
 from ..cache import cache_layers, cache_width
 from ..engine import Arrivals, Settings, Stats
@@ -142,7 +142,7 @@ class Exspec:
                 pool.finish_round(keys, finished)
                 if batch.size == 0:
                     batch = None
-            if settings.check:
-                raise_if(check_conservation(range(arrivals.released), pool.members()), round_index)
+            settings.observer.check(lambda: check_conservation(range(arrivals.released), pool.members()))
+            settings.observer.end_round(round_index)
         stats.extra.update(grouped_rounds=grouped_rounds, fallback_rounds=fallbacks,
                            group_rate=grouped_rounds / max(round_index, 1))

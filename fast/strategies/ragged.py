@@ -20,8 +20,7 @@ from ...reference.pool import SlotQueue
 from ..attention import flat_plan, uses_engine_attention
 from ..feature_draft import FeatureCapture
 from ..layout import VerifyLayout
-from ..engine import Arrivals, Proposals, Settings, Stats, check_cache_row, observe_round, raise_violations, \
-    rect_queries, record_round
+from ..engine import Arrivals, Proposals, Settings, Stats, check_cache_row, rect_queries, record_round
 from ..prefill import prefill_into
 from ..proposer import proposer_for
 from ..slot_cache import SlotCache
@@ -84,14 +83,12 @@ class RaggedEngine:
         self.request[slots], self.content_len[slots], self.prompt_len[slots] = requests, lens, lens
         self.budget_end[slots] = lens + np.array([self.max_new[r] for r in requests])
         self.rounds[slots] = 0
-        found = [] if self.settings.check else None
         with self.clock("time_prefill"):  # everything but each prompt's pending last token, packed
             route = self.capture.route if self.capture is not None else None  # the target's features, for the draft
             prefill_into(self.target, self.cache, [p[:-1] for p in prompts], slots.tolist(), [0] * len(prompts),
-                         self.settings, found, route)
-            self.proposer.prefill(prompts, slots, found)
-        if found:
-            raise_violations(found, 0)
+                         self.settings, route)
+            self.proposer.prefill(prompts, slots)
+        self.settings.observer.end_round(0)
 
     def compact(self) -> None:
         """Keep the running rows in slots 0..R-1 (SlotQueue.compact): a hole left by a finished row
@@ -115,33 +112,31 @@ class RaggedEngine:
         self.last_round = dict(slots=rows.tolist(), queued=len(self.queue.queue))
         content = self.content_len[rows]  # [R] c_i: content before this round's commit
         remaining = self.budget_end[rows] - content  # [R] tokens each row may still commit
-        found: list = []
         with self.clock("time_draft"):
-            proposals = self.propose(rows, content, remaining, found)
+            proposals = self.propose(rows, content, remaining)
         with self.clock("time_verify"):
-            choice, accepted, n, hit_eos, queries, verified = self.verify(rows, content, remaining, proposals, found)
+            choice, accepted, n, hit_eos, queries, verified = self.verify(rows, content, remaining, proposals)
         record_round(s, self.clock, self.request[rows], proposals, accepted, verified)
         with self.clock("time_align"):
-            self.commit(rows, content, remaining, proposals, choice, accepted, n, hit_eos, queries, found,
-                        round_index, on_done)
+            self.commit(rows, content, remaining, proposals, choice, accepted, n, hit_eos, queries, round_index,
+                        on_done)
         self.stats.add_round(proposals.proposed, accepted, n)
-        if s.check:
-            found += check_conservation(range(self.arrivals.released), self.queue.members())
-            found += self._check_caches(round_index)
-            raise_violations(found, round_index)
+        s.observer.check(lambda: check_conservation(range(self.arrivals.released), self.queue.members())
+                         + self._check_caches(round_index))
+        s.observer.end_round(round_index)
 
-    def propose(self, rows, content, remaining, found) -> Proposals:
+    def propose(self, rows, content, remaining) -> Proposals:
         """Each row's proposals from the proposer (fast.proposer; engine.draft_round applies the policy)."""
         requests = torch.as_tensor(self.request[rows], device=self.settings.device)
         waiting = bool(self.queue.queue) or self.arrivals.pending()
-        proposals = self.proposer.propose(rows, content, remaining, requests, waiting, found)
+        proposals = self.proposer.propose(rows, content, remaining, requests, waiting)
         self.stats.lookup_rounds += bool(proposals.steps and not proposals.model_steps)
         return proposals
 
-    def verify(self, rows, content, remaining, proposals: Proposals, found):
+    def verify(self, rows, content, remaining, proposals: Proposals):
         """The target's choices [R, W] after each row's pending token and proposals, the accepted
-        proposals, committed tokens and EOS hits per row (host), the queries (checks and trace) and
-        the tokens the forward computed."""
+        proposals, committed tokens and EOS hits per row (host), the queries (a function, for the
+        observer) and the tokens the forward computed."""
         s = self.settings
         rows_dev = torch.as_tensor(rows, device=s.device)
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
@@ -153,21 +148,21 @@ class RaggedEngine:
         tokens = torch.cat([last[:, None], drafted], dim=1)  # [R, W]: row i uses its first p_i + 1
         if self.grouped:  # one flat forward of each row's own proposals
             choice, accepted_t, queries, verified = self.verify_flat(tokens, content, p, drafted, q, requests,
-                                                                     content_t, found)
+                                                                     content_t)
         else:
             query_index = content[:, None] - 1 + np.arange(width)[None, :]
             if self.capture is not None:  # features of every verified position (rejected ones are never read)
                 self.capture.route(rows_dev[:, None].expand(-1, width), dev(query_index))
-            logits, pos, mask = slot_forward(self.target, self.cache, query_index, tokens, s, found, self.grouped)
+            logits, pos, mask = slot_forward(self.target, self.cache, query_index, tokens, s, self.grouped)
             choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(p), requests, content_t)
-            queries, verified = (rect_queries(pos, mask, p) if s.check or s.trace else None), tokens.numel()
+            queries, verified = (lambda: rect_queries(pos, mask, p)), tokens.numel()
         n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
         accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
         if s.processors is not None:  # stop strings, and the history penalties count
             n, hit_eos = s.processors.finish_round(requests, choice, n, hit_eos)
         return choice, accepted, n, hit_eos, queries, verified
 
-    def commit(self, rows, content, remaining, proposals: Proposals, choice, accepted, n, hit_eos, queries, found,
+    def commit(self, rows, content, remaining, proposals: Proposals, choice, accepted, n, hit_eos, queries,
                round_index: int, on_done) -> None:
         """Write the target's choices at each row's own offset and add n_i to its content (no cache
         data moves); release the rows that finished."""
@@ -176,7 +171,7 @@ class RaggedEngine:
         columns = torch.as_tensor(content[:, None] + np.arange(proposals.width)[None, :], device=s.device)
         self.tokens[rows_dev[:, None], columns] = choice
         finished = (hit_eos > 0) | (n == remaining)
-        observe_round(s, found, round_index, dict(
+        s.observer.round(s, round_index, lambda: dict(
             requests=self.request[rows], prompt_len=self.prompt_len[rows], tokens=self._contents(rows, content),
             pad_len=np.zeros(len(rows)), content_len=content), queries, proposals, choice, accepted, n,
             remaining, finished, hit_eos == STOP)
@@ -184,7 +179,7 @@ class RaggedEngine:
         self.proposer.update(rows, n, accepted, proposals)
         self._release(rows[finished], hit_eos[finished], on_done)
 
-    def verify_flat(self, tokens, content, proposed, drafted, q, requests, content_t, found):
+    def verify_flat(self, tokens, content, proposed, drafted, q, requests, content_t):
         """One target forward over every row's own queries laid end to end (fast.layout.VerifyLayout):
         row i's pending token and its p_i proposals, at content indices c_i - 1 .. c_i - 1 + p_i."""
         s = self.settings
@@ -203,18 +198,19 @@ class RaggedEngine:
         logits = self.target(ids, pos, hidden, cache, flat=plan)  # the plan's masks decide what each query sees
         choice, accepted = s.chooser.verify_flat(logits[0], dev(layout.gather), drafted, q, dev(proposed), requests,
                                                  content_t)
-        queries = None
-        if s.check or s.trace is not None:
-            queries = flat_queries(plan, len(proposed))
-            if s.check:  # I2, I4 against what the lengths alone say row r's query j must be: c_r - 1 + j
-                for part in plan:
-                    members = np.arange(len(proposed))[part.rows] if isinstance(part.rows, slice) \
-                        else part.rows.cpu().numpy()
-                    want = layout.query_index(members, part.query_index.shape[1])
-                    got = pos[0][part.tokens].view(want.shape).cpu().numpy()
-                    slot = np.broadcast_to(np.arange(part.length), (len(members), part.length))
-                    found += check_positions(got, want) + check_mask(part.mask, want, slot, s.window)
-        return choice, accepted, queries, layout.tokens
+        s.observer.check(lambda: self._check_flat(plan, layout, pos, len(proposed)))
+        return choice, accepted, (lambda: flat_queries(plan, len(proposed))), layout.tokens
+
+    def _check_flat(self, plan, layout: VerifyLayout, pos, rows: int) -> list:
+        """I2, I4 of a flat verify against what the lengths alone say row r's query j must be: c_r - 1 + j."""
+        found = []
+        for part in plan:
+            members = np.arange(rows)[part.rows] if isinstance(part.rows, slice) else part.rows.cpu().numpy()
+            want = layout.query_index(members, part.query_index.shape[1])
+            got = pos[0][part.tokens].view(want.shape).cpu().numpy()
+            slot = np.broadcast_to(np.arange(part.length), (len(members), part.length))
+            found += check_positions(got, want) + check_mask(part.mask, want, slot, self.settings.window)
+        return found
 
     def _contents(self, rows, content):
         """Row contents as a right-padded tensor (for the trace only)."""
