@@ -367,7 +367,6 @@ def open_journal(path: Path, units, args, opts, target, draft, prompt_file):
 def run_bench(args, opts: GenerateOptions) -> int:
     """`specbatch bench`: args holds the bench's own flags (methods, batch sizes, repeats, files), opts
     everything about decoding (the defaults in force for "bench" under the flags given)."""
-    import specbatch
     from .fast.models import eos_ids_of
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in known_methods()]
@@ -392,49 +391,13 @@ def run_bench(args, opts: GenerateOptions) -> int:
     journal_kept = list(journal.results)  # runs of an earlier invocation: this one's calibration does not cover them
     if journal.results:
         print(f"resuming: {len(journal.results)} of {len(units)} runs already in {journal_path}", file=sys.stderr)
-    runs: dict = {}
-    reference = None  # target-only greedy at batch 1: the first "ar" run at batch 1, else its own run
     before = calibration.calibrate()
     try:
-        for unit in units:
-            repeat, method, b = unit["repeat"], unit["method"], unit["batch"]
-            if unit["id"] not in journal.results:
-                print(f"[repeat {repeat + 1}/{args.repeats}] {method} batch {b}" if repeat >= 0 else
-                      f"reference: target-only greedy at batch 1 on {len(ids)} prompts", file=sys.stderr)
-                if method == "reference":
-                    sequences = specbatch.generate(target, None, ids, dataclasses.replace(
-                        opts, batch_size=1, strategy="ragged"), progress="reference (target-only b1)").sequences
-                    stats = {}
-                else:
-                    sequences, stats = run_method(method, b, target, draft, ids, opts, eos_ids)
-                journal.add(dict(id=unit["id"], sequences=sequences, stats=finite_or_none(stats)))
-            done = journal.results[unit["id"]]
-            if reference is None:
-                reference = done["sequences"]
-            if method != "reference":
-                exact = sum(s == r for s, r in zip(done["sequences"], reference))
-                stats = {k: float("nan") if v is None else v for k, v in done["stats"].items()}
-                runs.setdefault((method, b), []).append(dict(stats, exact=exact, repeat=repeat))
+        runs, reference = _run_units(units, journal, target, draft, ids, opts, eos_ids, args.repeats)
     finally:
         journal.finish()
     after = calibration.calibrate()
-    rows = []
-    for (method, batch), reps in runs.items():
-        row = {key: sum(r[key] for r in reps) / len(reps) for key in (
-            "tokens_per_second", "mean_accepted_length", "acceptance_rate", "time_draft", "time_verify",
-            "time_align", "time_prefill", "time_total", "align_share")}
-        row.update(method=method, batch=batch, exact=f"{min(r['exact'] for r in reps)}/{len(ids)}",
-                   tokens_per_second_runs=[r["tokens_per_second"] for r in reps])
-        rows.append(row)
-    by = {(r["method"], r["batch"]): r for r in rows}
-    for r in rows:
-        ar = by.get(("ar", r["batch"]))
-        spec1 = by.get(("spec1", 1))
-        r["vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"] if ar else None
-        r["vs_ar_runs"] = paired_ratios(runs[(r["method"], r["batch"])], runs.get(("ar", r["batch"]), []))
-        r["vs_ar_median"] = statistics.median(r["vs_ar_runs"]) if r["vs_ar_runs"] else None
-        r["vs_spec1"] = r["tokens_per_second"] / spec1["tokens_per_second"] if spec1 else None
-    rows.sort(key=lambda r: (r["batch"], known_methods().index(r["method"])))
+    rows = summary_rows(runs, len(ids))
     machine = describe_machine(opts.device)
     setup = dict(target=args.target, draft=args.draft, prompts=str(prompt_file), num_prompts=len(ids),
                  per_category=args.per_category, limit=args.limit, chat_template=args.chat_template,
@@ -453,3 +416,55 @@ def run_bench(args, opts: GenerateOptions) -> int:
     print(f"wrote {out_dir / 'bench.json'}, {out_dir / 'bench.md'}" + "".join(f", {out_dir / p}" for p in plots),
           file=sys.stderr)
     return 0
+
+
+def _run_units(units, journal, target, draft, ids, opts: GenerateOptions, eos_ids, repeats: int):
+    """Run every unit the journal does not hold yet (each kept in the journal at once); returns
+    ({(method, batch): [stats of each repeat, with `exact`: outputs equal to the reference]}, the
+    reference: target-only greedy outputs at batch 1)."""
+    import specbatch
+    runs: dict = {}
+    reference = None  # target-only greedy at batch 1: the first "ar" run at batch 1, else its own run
+    for unit in units:
+        repeat, method, b = unit["repeat"], unit["method"], unit["batch"]
+        if unit["id"] not in journal.results:
+            print(f"[repeat {repeat + 1}/{repeats}] {method} batch {b}" if repeat >= 0 else
+                  f"reference: target-only greedy at batch 1 on {len(ids)} prompts", file=sys.stderr)
+            if method == "reference":
+                sequences = specbatch.generate(target, None, ids, dataclasses.replace(
+                    opts, batch_size=1, strategy="ragged"), progress="reference (target-only b1)").sequences
+                stats = {}
+            else:
+                sequences, stats = run_method(method, b, target, draft, ids, opts, eos_ids)
+            journal.add(dict(id=unit["id"], sequences=sequences, stats=finite_or_none(stats)))
+        done = journal.results[unit["id"]]
+        if reference is None:
+            reference = done["sequences"]
+        if method != "reference":
+            exact = sum(s == r for s, r in zip(done["sequences"], reference))
+            stats = {k: float("nan") if v is None else v for k, v in done["stats"].items()}
+            runs.setdefault((method, b), []).append(dict(stats, exact=exact, repeat=repeat))
+    return runs, reference
+
+
+def summary_rows(runs: dict, num_prompts: int) -> list[dict]:
+    """One row per (method, batch): the repeats' means, the exact count, and the ratios over ar (each
+    repeat paired with ar's same repeat) and over spec1."""
+    rows = []
+    for (method, batch), reps in runs.items():
+        row = {key: sum(r[key] for r in reps) / len(reps) for key in (
+            "tokens_per_second", "mean_accepted_length", "acceptance_rate", "time_draft", "time_verify",
+            "time_align", "time_prefill", "time_total", "align_share")}
+        row.update(method=method, batch=batch, exact=f"{min(r['exact'] for r in reps)}/{num_prompts}",
+                   tokens_per_second_runs=[r["tokens_per_second"] for r in reps])
+        rows.append(row)
+    by = {(r["method"], r["batch"]): r for r in rows}
+    for r in rows:
+        ar = by.get(("ar", r["batch"]))
+        spec1 = by.get(("spec1", 1))
+        r["vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"] if ar else None
+        r["vs_ar_runs"] = paired_ratios(runs[(r["method"], r["batch"])], runs.get(("ar", r["batch"]), []))
+        r["vs_ar_median"] = statistics.median(r["vs_ar_runs"]) if r["vs_ar_runs"] else None
+        r["vs_spec1"] = r["tokens_per_second"] / spec1["tokens_per_second"] if spec1 else None
+    rows.sort(key=lambda r: (r["batch"], known_methods().index(r["method"])))
+    return rows

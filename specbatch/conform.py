@@ -90,70 +90,17 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
 
     max_context caps the long prompts (1-token prompts sit next to prompts of about this length, or
     the model's context if smaller), so vectors for a large model stay quick to answer."""
-    from .fast.models import context_limit, eos_ids_of
+    from .fast.models import context_limit
     rng = np.random.default_rng(seed)
     identity = model_identity(target)
-    vocab = identity["vocab_size"]
-    model_eos = list(eos_ids_of(target))
-    # the pad id the manifest asks engines to use: not an EOS id, so that "pad-in-prompt" (this id inside
-    # content) and "eos-in-prompt" (an EOS id inside content, as in engines that pad with EOS) test apart
-    pad = next(int(t) for t in rng.permutation(vocab) if int(t) not in model_eos)
-    draw = lambda n: rng.integers(0, vocab, int(n)).tolist()  # noqa: E731
-    requests: list[dict] = []
-
-    def add(cls, ids, max_new):
-        requests.append(dict(id=f"{cls}-{sum(r['class'] == cls for r in requests)}", **{"class": cls},
-                             token_ids=[int(t) for t in ids], max_new_tokens=int(max_new)))
-
-    def planted(token, n):
-        """n random ids with `token` at three places, as a run where they meet, and at the end."""
-        ids = draw(n)
-        for at in rng.choice(n, size=3, replace=False):
-            ids[at] = token
-        ids[-1] = token
-        return ids
-
-    for n in (6, 11, 19):
-        add("pad-in-prompt", planted(pad, n), 12)
     say = progress or (lambda stage: None)
-    say("1/4 EOS placements: 8 continuations")
-    eos_candidates = [draw(rng.integers(4, 24)) for _ in range(8)]
-    continuations = reference_outputs(target, eos_candidates, [12] * 8, [])
-    eos = list(model_eos)
-    for offset, (prompt, cont) in enumerate(zip(eos_candidates, continuations), 1):  # EOS at offsets 1..8
-        token = cont[offset - 1] if offset <= len(cont) else None
-        if token is not None and token not in cont[:offset - 1] and token not in eos and token != pad:
-            eos.append(int(token))
-        add("eos-offset", prompt, 12)
-    for n in (6, 11, 19):  # an EOS id inside content: what a mask from `token == pad` breaks when pad == EOS
-        add("eos-in-prompt", planted(eos[0] if eos else pad, n), 12)
-    for budget in range(1, 10):  # budgets ending at every offset of a round
-        add("budget-mid-round", draw(rng.integers(2, 30)), budget)
     if (context_limit(target) or MIN_CONTEXT) < MIN_CONTEXT:
         raise VectorError(f"the target's context of {context_limit(target)} positions is too short for conformance "
                           f"vectors (their requests need up to {MIN_CONTEXT})")
-    limit = min(context_limit(target) or max_context, max_context)
-    for n in (1, 1, limit - 40, 1, limit - 24):  # 1-token prompts beside prompts near the context limit
-        add("short-and-long", draw(max(n, 1)), 16)
-    twice = draw(9)
-    for _ in range(3):
-        add("duplicate", twice, 10)
-    for _ in range(24):  # enough requests, of mixed lengths and budgets, to churn a continuous batcher
-        add("churn", draw(rng.integers(1, 40)), int(rng.integers(1, 17)))
-    say("2/4 wide-margin requests: 24 candidates")
-    candidates = [draw(rng.integers(3, 20)) for _ in range(24)]
-    answers = reference_outputs(target, candidates, [10] * 24, eos)
-    margins = []
-    for p, a in zip(candidates, answers):
-        top = _top_logits(target, p, a)
-        margins.append(min((t[0][1] - t[1][1] for t in top), default=0.0))
-    for i in np.argsort(margins)[::-1][:4]:  # the widest top-2 margins: ties are rare there
-        add("wide-margin", candidates[i], 10)
-
-    prompts = [r["token_ids"] for r in requests]
-    budgets = [r["max_new_tokens"] for r in requests]
+    requests, eos, pad = _vector_requests(target, rng, identity["vocab_size"], max_context, say)
     say(f"3/4 reference answers: {len(requests)} requests, target-only at batch 1")
-    answers = reference_outputs(target, prompts, budgets, eos)
+    answers = reference_outputs(target, [r["token_ids"] for r in requests], [r["max_new_tokens"] for r in requests],
+                                eos)
     say("4/4 top logits along every answer")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -182,6 +129,64 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
     manifest["manifest_sha256"] = manifest_digest(manifest, DECISIVE)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def _vector_requests(target, rng, vocab: int, max_context: int, say) -> tuple[list[dict], list[int], int]:
+    """(requests of every class, the EOS ids engines stop at, the pad id engines are asked to use),
+    drawn from rng; stages 1 and 2 run the target (EOS placements, wide margins)."""
+    from .fast.models import context_limit, eos_ids_of
+    model_eos = list(eos_ids_of(target))
+    # the pad id the manifest asks engines to use: not an EOS id, so that "pad-in-prompt" (this id inside
+    # content) and "eos-in-prompt" (an EOS id inside content, as in engines that pad with EOS) test apart
+    pad = next(int(t) for t in rng.permutation(vocab) if int(t) not in model_eos)
+    draw = lambda n: rng.integers(0, vocab, int(n)).tolist()  # noqa: E731
+    requests: list[dict] = []
+
+    def add(cls, ids, max_new):
+        requests.append(dict(id=f"{cls}-{sum(r['class'] == cls for r in requests)}", **{"class": cls},
+                             token_ids=[int(t) for t in ids], max_new_tokens=int(max_new)))
+
+    def planted(token, n):
+        """n random ids with `token` at three places, as a run where they meet, and at the end."""
+        ids = draw(n)
+        for at in rng.choice(n, size=3, replace=False):
+            ids[at] = token
+        ids[-1] = token
+        return ids
+
+    for n in (6, 11, 19):
+        add("pad-in-prompt", planted(pad, n), 12)
+    say("1/4 EOS placements: 8 continuations")
+    eos_candidates = [draw(rng.integers(4, 24)) for _ in range(8)]
+    continuations = reference_outputs(target, eos_candidates, [12] * 8, [])
+    eos = list(model_eos)
+    for offset, (prompt, cont) in enumerate(zip(eos_candidates, continuations), 1):  # EOS at offsets 1..8
+        token = cont[offset - 1] if offset <= len(cont) else None
+        if token is not None and token not in cont[:offset - 1] and token not in eos and token != pad:
+            eos.append(int(token))
+        add("eos-offset", prompt, 12)
+    for n in (6, 11, 19):  # an EOS id inside content: what a mask from `token == pad` breaks when pad == EOS
+        add("eos-in-prompt", planted(eos[0] if eos else pad, n), 12)
+    for budget in range(1, 10):  # budgets ending at every offset of a round
+        add("budget-mid-round", draw(rng.integers(2, 30)), budget)
+    limit = min(context_limit(target) or max_context, max_context)
+    for n in (1, 1, limit - 40, 1, limit - 24):  # 1-token prompts beside prompts near the context limit
+        add("short-and-long", draw(max(n, 1)), 16)
+    twice = draw(9)
+    for _ in range(3):
+        add("duplicate", twice, 10)
+    for _ in range(24):  # enough requests, of mixed lengths and budgets, to churn a continuous batcher
+        add("churn", draw(rng.integers(1, 40)), int(rng.integers(1, 17)))
+    say("2/4 wide-margin requests: 24 candidates")
+    candidates = [draw(rng.integers(3, 20)) for _ in range(24)]
+    answers = reference_outputs(target, candidates, [10] * 24, eos)
+    margins = []
+    for p, a in zip(candidates, answers):
+        top = _top_logits(target, p, a)
+        margins.append(min((t[0][1] - t[1][1] for t in top), default=0.0))
+    for i in np.argsort(margins)[::-1][:4]:  # the widest top-2 margins: ties are rare there
+        add("wide-margin", candidates[i], 10)
+    return requests, eos, pad
 
 
 def check_tolerance(dtype: str, ulps: float | None, tolerance: float | None, differential: bool = False) -> None:

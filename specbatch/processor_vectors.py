@@ -179,14 +179,7 @@ def make_processor_vectors(target, *, tokenizer=None, seed: int = 0, candidates:
     for i, settings in enumerate(mixed * 2):  # every setting beside the others, with and without a budget of 1
         one = i % 3 == 2 and "min_tokens" not in settings
         add("mixed", prompts[i % len(prompts)], 1 if one else max_new_tokens, settings)
-    reference = {}
-    for r in requests:
-        proc = processors_of(r["settings"])
-        answer = processed_greedy_decode(logits_of, r["token_ids"], r["max_new_tokens"], proc, eos, decode)
-        top, logprobs = _reference_scores(logits_of, r["token_ids"], answer, proc, eos)
-        reference[r["id"]] = dict(id=r["id"], token_ids=answer, top=top, logprobs=logprobs)
-        if proc.stop:
-            reference[r["id"]]["text"] = stop_text(decode(answer), proc.stop)
+    reference = {r["id"]: _reference_answer(logits_of, r, eos, decode) for r in requests}
     classes = list(CLASSES) + (list(STOP_CLASSES) if tokenizer is not None else [])
     manifest = dict(format=FORMAT, version=VERSION, **identity, eos_token_ids=eos, num_requests=len(requests),
                     classes=classes, seed=seed, tie_ulps_default=_default_ulps(identity["dtype"]),
@@ -196,6 +189,18 @@ def make_processor_vectors(target, *, tokenizer=None, seed: int = 0, candidates:
                     order="logit_bias, min_tokens, repetition_penalty, presence and frequency penalties "
                           "(docs/api.md#processors)")
     return ProcessorVectors(manifest, requests, reference)
+
+
+def _reference_answer(logits_of, request: dict, eos, decode) -> dict:
+    """A request's reference: greedy decoding with its processors, each answer token's top logits and
+    raw and processed logprobs, and with a stop string the text before it."""
+    proc = processors_of(request["settings"])
+    answer = processed_greedy_decode(logits_of, request["token_ids"], request["max_new_tokens"], proc, eos, decode)
+    top, logprobs = _reference_scores(logits_of, request["token_ids"], answer, proc, eos)
+    row = dict(id=request["id"], token_ids=answer, top=top, logprobs=logprobs)
+    if proc.stop:
+        row["text"] = stop_text(decode(answer), proc.stop)
+    return row
 
 
 def tokenizer_identity(tokenizer) -> dict:

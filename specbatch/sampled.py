@@ -611,6 +611,27 @@ def _setting_statistics(target, setting, rows, got, rng) -> dict:
     before = np.zeros(tokens.shape)
     for i, u in enumerate(sequence_of):
         p[i, :lengths[i]], before[i, :lengths[i]] = cond.p[u], cond.before[u]
+    outside, violations, boundary = _outside_kept_set(cond, sequence_of, rows, tokens)
+    kept = valid & ~outside
+    pit = before + rng.random(tokens.shape) * p
+    at_big = np.isin(node, big) & kept
+    tree_x2, tree_df = _tree_chi_square(wanted, cond, at_big, node, node_at, tokens)
+    rank = pit[kept & ~at_big]
+    hist = np.bincount(np.minimum((rank * PIT_BINS).astype(int), PIT_BINS - 1), minlength=PIT_BINS)
+    expected = len(rank) / PIT_BINS
+    rank_x2 = float(((hist - expected) ** 2 / expected).sum()) if len(rank) else 0.0
+    product = np.where(valid, p, 1.0).prod(axis=1)
+    return dict(rows=count, tokens=int(kept.sum()), nodes=len(wanted), tree_x2=tree_x2, tree_df=tree_df,
+                p_tree=chi2_sf(tree_x2, tree_df), rank_x2=rank_x2, rank_tokens=int(len(rank)),
+                p_rank=chi2_sf(rank_x2, PIT_BINS - 1) if len(rank) else 1.0,
+                by_position=[pit[:, t][kept[:, t]] for t in range(tokens.shape[1])],
+                seq_prob={r["id"]: float(q) for r, q in zip(rows, product)},
+                violations=violations, boundary=boundary)
+
+
+def _outside_kept_set(cond, sequence_of, rows, tokens):
+    """(cells [N, T] whose token lies outside the setting's kept set, those beyond its boundary slack
+    as (row id, position, token) violations, the count within the slack)."""
     outside = np.zeros(tokens.shape, dtype=bool)
     violations, boundary = [], 0
     rows_of_sequence: dict = {}
@@ -623,9 +644,13 @@ def _setting_statistics(target, setting, rows, got, rng) -> dict:
                 violations.append((rows[i]["id"], t, int(tokens[i, t])))
             else:
                 boundary += 1
-    kept = valid & ~outside
-    pit = before + rng.random(tokens.shape) * p
-    at_big = np.isin(node, big) & kept
+    return outside, violations, boundary
+
+
+def _tree_chi_square(wanted, cond, at_big, node, node_at, tokens) -> tuple[float, int]:
+    """The tree test's chi-square and degrees of freedom: at every prefix node of at least NODE_MIN
+    samples, the next tokens seen against the target's conditional (one cell per listed token, one
+    for the rest)."""
     tree_x2, tree_df = 0.0, 0
     for (u, t), n in wanted.items():
         cell_tokens, cell_probs = cond.cells[(u, t)]
@@ -640,17 +665,7 @@ def _setting_statistics(target, setting, rows, got, rng) -> dict:
         if len(cells) >= 2:
             tree_x2 += sum((o - e) ** 2 / e for o, e in cells)
             tree_df += len(cells) - 1
-    rank = pit[kept & ~at_big]
-    hist = np.bincount(np.minimum((rank * PIT_BINS).astype(int), PIT_BINS - 1), minlength=PIT_BINS)
-    expected = len(rank) / PIT_BINS
-    rank_x2 = float(((hist - expected) ** 2 / expected).sum()) if len(rank) else 0.0
-    product = np.where(valid, p, 1.0).prod(axis=1)
-    return dict(rows=count, tokens=int(kept.sum()), nodes=len(wanted), tree_x2=tree_x2, tree_df=tree_df,
-                p_tree=chi2_sf(tree_x2, tree_df), rank_x2=rank_x2, rank_tokens=int(len(rank)),
-                p_rank=chi2_sf(rank_x2, PIT_BINS - 1) if len(rank) else 1.0,
-                by_position=[pit[:, t][kept[:, t]] for t in range(tokens.shape[1])],
-                seq_prob={r["id"]: float(q) for r, q in zip(rows, product)},
-                violations=violations, boundary=boundary)
+    return tree_x2, tree_df
 
 
 def check_samples(vectors, outputs, target, *, batch_size: int | None = None, alpha: float = ALPHA,

@@ -150,14 +150,8 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
             stream, zero = stream_of[rows], torch.zeros_like(rows)
             length = prompt_len[rows] + made[rows]
             work = tokens[rows].clone()
-            q = []
-            for j in range(k):
-                logits = _process(_last_logits(draft, work, length + j, 1), work, prompt_len[rows], length + j,
-                                  proc, eos_ids, bug)[:, 0]
-                u = rng.uniform(stream, zero, made[rows] + j, "draft")
-                proposal, q_j = _draft_step(logits, temperature, top_k, top_p, bug, u, proc.min_p)
-                work[torch.arange(len(rows)), length + j] = proposal
-                q.append(q_j)
+            q = _draft_tokens(draft, work, length, prompt_len[rows], made[rows], stream, k, proc, eos_ids, bug,
+                              temperature, top_k, top_p)  # writes the proposals into work
             drafted = work.gather(1, length[:, None] + torch.arange(k, device=device)[None, :])  # [R, k]
             raw = _last_logits(target, work, length + k, k + 1)  # [R, k + 1, V]
             processed = _process(raw, work, prompt_len[rows], length, proc, eos_ids, bug)
@@ -168,12 +162,7 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
             accepted = torch.zeros(len(rows), dtype=torch.long, device=device)
             if k:
                 q = torch.stack(q, dim=1)  # [R, k, V]
-                p_d = p[:, :k].gather(-1, drafted[..., None])[..., 0]
-                q_d = q.gather(-1, drafted[..., None])[..., 0]
-                steps = made[rows][:, None] + torch.arange(k, device=device)[None, :]
-                u = rng.uniform(stream[:, None], zero[:, None], steps,
-                                "draft" if bug == "draft-noise-reused" else "accept")
-                accepted = (u * q_d < p_d).long().cumprod(dim=1).sum(dim=1)
+                accepted = _accepted(p, q, drafted, made[rows], stream, bug)
             index = torch.arange(len(rows), device=device)
             p_at = p[index, accepted]
             dist = p_at
@@ -204,6 +193,34 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
         return [tokens[i, len(p):len(p) + int(made[i])].tolist() for i, p in enumerate(prompts)]
     sample_fn.planted = []  # with planted: the TV distance of every token drawn at a planted position
     return sample_fn
+
+
+def _draft_tokens(draft, work, length, prompt_len, made, stream, k: int, proc, eos_ids, bug, temperature, top_k,
+                  top_p) -> list:
+    """k draft steps of every live row: each proposal sampled from the draft's processed distribution
+    (noise keyed by the row's stream and position) and written into `work`; returns q per step [R, V]."""
+    zero = torch.zeros_like(stream)
+    q = []
+    for j in range(k):
+        logits = _process(_last_logits(draft, work, length + j, 1), work, prompt_len, length + j, proc, eos_ids,
+                          bug)[:, 0]
+        u = rng.uniform(stream, zero, made + j, "draft")
+        proposal, q_j = _draft_step(logits, temperature, top_k, top_p, bug, u, proc.min_p)
+        work[torch.arange(len(stream)), length + j] = proposal
+        q.append(q_j)
+    return q
+
+
+def _accepted(p, q, drafted, made, stream, bug) -> torch.Tensor:
+    """Accepted proposals per row [R]: proposal j stands while u_j q(d_j) < p(d_j), u_j the row's
+    acceptance noise at its position (its draft noise under the draft-noise-reused bug)."""
+    k = drafted.shape[1]
+    p_d = p[:, :k].gather(-1, drafted[..., None])[..., 0]
+    q_d = q.gather(-1, drafted[..., None])[..., 0]
+    steps = made[:, None] + torch.arange(k, device=drafted.device)[None, :]
+    u = rng.uniform(stream[:, None], torch.zeros_like(stream)[:, None], steps,
+                    "draft" if bug == "draft-noise-reused" else "accept")
+    return (u * q_d < p_d).long().cumprod(dim=1).sum(dim=1)
 
 
 def move_to_runner_up(p: torch.Tensor, mass: float) -> torch.Tensor:
