@@ -24,7 +24,7 @@ from pathlib import Path
 def source_commit(python: str) -> str:
     """The git commit of the checkout that `python`'s specbatch is installed from."""
     folder = subprocess.run([python, "-c", "import os, specbatch; print(os.path.dirname(specbatch.__file__))"],
-                            capture_output=True, text=True, check=True).stdout.strip()
+                            capture_output=True, text=True, check=True, cwd="/").stdout.strip()
     done = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", folder, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
@@ -52,15 +52,17 @@ def main() -> int:
     if out.exists() and any(out.iterdir()):
         print(f"{out} is not empty; choose another --out-dir", file=sys.stderr)
         return 2
+    out.mkdir(parents=True, exist_ok=True)
     pythons = {"old": args.old, "new": args.new}
     commits = {label: source_commit(python) for label, python in pythons.items()}
     runs: dict = {"old": [], "new": []}
     for repeat in range(args.repeats):
         for label in (("old", "new") if repeat % 2 == 0 else ("new", "old")):
-            folder = out / f"{label}-{repeat}"
+            folder = out.resolve() / f"{label}-{repeat}"
             command = [pythons[label], "-m", "specbatch", "bench", *bench, "--out-dir", str(folder)]
             print(f"[repeat {repeat + 1}/{args.repeats}] {label} ({commits[label]})", file=sys.stderr, flush=True)
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            # run outside any checkout: `-m` puts the working folder first on the path
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=out.resolve())
             report = json.loads((folder / "bench.json").read_text())
             runs[label].append(report)
     keys = [(r["method"], r["batch"]) for r in runs["new"][0]["rows"]]
