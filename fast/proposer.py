@@ -11,9 +11,15 @@ features (fast.feature_draft) the features of each row's content. The engine cal
     move_row(src, dst, count)                          compaction
     check_cache(row, content)                          I3 on one row
 
-Every kind of draft (a model, prompt lookup first, a restricted head, a feature head) is a
-DraftProposer: what it can do comes from its declared abilities (fast.models.DraftAbilities), read
-once here. NoDraft is the no-op proposer of target-only decoding.
+One class per kind of draft side, chosen by `proposer_for` from the draft's declared abilities
+(fast.models.DraftAbilities, read once here):
+
+    NoDraft          target-only decoding: no row proposes, nothing is kept
+    DraftProposer    a draft model over the slot rows (a token draft, prompt lookup alone, a
+                     restricted head handing the chooser its subset's logits); lookup-first when the
+                     draft declares its own prompt lookup
+    FeatureProposer  a draft that reads the target's features (fast.feature_draft): it also keeps
+                     each row's features, and K/V made from its own feature estimates never stay
 """
 from __future__ import annotations
 
@@ -82,10 +88,7 @@ class DraftProposer:
         # a draft whose rows are independent and keep no K/V (the feature head) computes, at each step,
         # only the rows still drafting by the model (draft_round's `needed`)
         self.row_subset = can.computes_row_subset
-        self.features = None  # the target's features of each row's content (written by the engine's capture)
-        if can.reads_features:
-            hidden = int(draft.model.config.hidden_size)
-            self.features = FeatureBuffer(slots, capacity, hidden, settings.dtype, dev)
+        self.features = None  # FeatureProposer: the target's features of each row's content
 
     def forward(self, query_index: np.ndarray, ids, features=None, rows=None):
         """The draft's logits at each row's last query; rows: the rows to compute (None: all)."""
@@ -101,11 +104,8 @@ class DraftProposer:
     def prefill(self, prompts, slots) -> None:
         """Each prompt but its last token (pending) into the slot rows `slots` (a feature draft reads
         the features the target's prefill just wrote)."""
-        route = None
-        if self.features is not None:
-            route = lambda rows, index: {"features": self.features.inputs(rows, index)}  # noqa: E731
         prefill_into(self.draft, self.cache, [p[:-1] for p in prompts], list(slots), [0] * len(prompts),
-                     self.settings, route)
+                     self.settings, self._prefill_route())
         self.pending[slots] = 1
 
     def propose(self, rows, content, remaining, requests, waiting) -> Proposals:
@@ -117,20 +117,14 @@ class DraftProposer:
         pending = int(self.pending[rows].max())
 
         def step_forward(step, ids, needed):
-            features, subset = None, None
-            if self.row_subset and not needed.all():
-                subset = dev(np.nonzero(needed)[0])
-            if ids is None:  # re-feed each row's last `pending` tokens (identical K/V where already cached)
+            subset = dev(np.nonzero(needed)[0]) if self.row_subset and not needed.all() else None
+            refeed = ids is None
+            if refeed:  # re-feed each row's last `pending` tokens (identical K/V where already cached)
                 query_index = content[:, None] - pending + np.arange(pending)[None, :]
                 ids = self.tokens[rows_dev[:, None], dev(np.maximum(query_index, 0))]
-                if self.features is not None:  # the target's f_{j-1} for each re-fed token j
-                    features = self.features.inputs(rows_dev[:, None], dev(np.maximum(query_index, 0)))
             else:
                 query_index = content[:, None] + step - 1
-                estimate = self.draft.last_features
-                if self.features is not None and estimate is not None:  # past the content: the draft's own
-                    features = estimate[:, -1:]                            # estimate from the step before
-            return self.forward(query_index, ids, features, subset)
+            return self.forward(query_index, ids, self._step_features(rows_dev, query_index, refeed), subset)
 
         lookup = self.lookup_step(rows_dev, content) if self.lookup is not None else None
         return draft_round(step_forward, s, clamp, requests, dev(content), s.device, lookup, remaining, waiting)
@@ -156,29 +150,68 @@ class DraftProposer:
 
     def update(self, rows, committed, accepted, proposals: Proposals) -> None:
         """Told what each row committed: the draft cache keeps K/V of content[:c - pending] (I3)."""
-        if self.features is not None:  # K/V from the draft's own feature estimates are never kept
-            self.pending[rows] = draft_pending_after_features(committed, proposals.model_steps, self.pending[rows])
-        else:
-            self.pending[rows] = draft_pending_after(committed, accepted, proposals.model_steps, self.pending[rows])
+        self.pending[rows] = draft_pending_after(committed, accepted, proposals.model_steps, self.pending[rows])
 
     def move_row(self, src: int, dst: int, count: int) -> None:
         self.cache.move_row(src, dst, count)
         self.pending[dst] = self.pending[src]
-        if self.features is not None:
-            self.features.move_row(src, dst, count)
 
     def check_cache(self, row: int, content: list) -> list:
         """I3 for one slot row: it holds a fresh prefill's K/V of content[:len - pending]."""
         prefix = content[:len(content) - int(self.pending[row])]
-        features = None
-        if self.features is not None:  # the fresh prefill reads the recorded features
-            dev = self.settings.device
-            features = self.features.inputs(torch.full((1, len(prefix)), row, device=dev),
-                                            torch.arange(len(prefix), device=dev)[None])
         return check_cache_row(self.draft, lambda layer: self.cache.slot_values(layer, row, len(prefix)), row,
-                               prefix, 0, self.settings, "draft cache", features)
+                               prefix, 0, self.settings, "draft cache", self._prefix_features(row, len(prefix)))
+
+    # what a draft that reads no features passes along: nothing (FeatureProposer overrides these)
+    def _prefill_route(self):
+        return None
+
+    def _step_features(self, rows_dev, query_index, refeed: bool):
+        return None
+
+    def _prefix_features(self, row: int, length: int):
+        return None
+
+
+class FeatureProposer(DraftProposer):
+    """A draft that reads the target's features (fast.feature_draft): each slot row also keeps the
+    target's features of its content (written by the engine's capture during the target's prefill and
+    verify), which the draft reads at every re-fed token; past the content it reads its own estimate
+    from the step before, so the K/V those steps leave are never kept."""
+
+    def __init__(self, draft, settings: Settings, tokens: torch.Tensor, slots: int, capacity: int):
+        super().__init__(draft, settings, tokens, slots, capacity)
+        hidden = int(draft.model.config.hidden_size)
+        self.features = FeatureBuffer(slots, capacity, hidden, settings.dtype, settings.device)
+
+    def update(self, rows, committed, accepted, proposals: Proposals) -> None:
+        """K/V from the draft's own feature estimates are never kept (I3)."""
+        self.pending[rows] = draft_pending_after_features(committed, proposals.model_steps, self.pending[rows])
+
+    def move_row(self, src: int, dst: int, count: int) -> None:
+        super().move_row(src, dst, count)
+        self.features.move_row(src, dst, count)
+
+    def _prefill_route(self):
+        return lambda rows, index: {"features": self.features.inputs(rows, index)}
+
+    def _step_features(self, rows_dev, query_index, refeed: bool):
+        if refeed:  # the target's f_{j-1} for each re-fed token j
+            index = torch.as_tensor(np.maximum(query_index, 0), device=self.settings.device)
+            return self.features.inputs(rows_dev[:, None], index)
+        estimate = self.draft.last_features  # past the content: the draft's own estimate from the step before
+        return None if estimate is None else estimate[:, -1:]
+
+    def _prefix_features(self, row: int, length: int):
+        """The recorded features a fresh prefill of the row's cached prefix reads (check_cache)."""
+        dev = self.settings.device
+        return self.features.inputs(torch.full((1, length), row, device=dev), torch.arange(length, device=dev)[None])
 
 
 def proposer_for(draft, settings: Settings, tokens: torch.Tensor, slots: int, capacity: int):
-    """The ragged engine's proposer: DraftProposer for a draft, NoDraft for target-only decoding."""
-    return NoDraft(settings) if draft is None else DraftProposer(draft, settings, tokens, slots, capacity)
+    """The ragged engine's proposer for `draft`: NoDraft for target-only decoding, FeatureProposer for a
+    draft that reads the target's features, DraftProposer for every other draft."""
+    if draft is None:
+        return NoDraft(settings)
+    kind = FeatureProposer if draft.abilities.reads_features else DraftProposer
+    return kind(draft, settings, tokens, slots, capacity)
