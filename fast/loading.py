@@ -324,6 +324,11 @@ def _trained_for_target(kind: str):
     return build
 
 
+def _feature_head(folder: Path):
+    """A committed feature head (smollm2-head): `feature:FOLDER` by name."""
+    return lambda argument, target, dtype, device: feature_draft(folder, target)
+
+
 def _distilled(name: str, full_head: bool):
     """A committed distilled draft, its head reduced to the tokens it was trained to predict (full_head: whole)."""
     def build(argument, target, dtype, device):
@@ -348,8 +353,7 @@ DRAFT_KINDS: dict[str, DraftKind] = {
     "truncated": DraftKind(_truncated, "N"),
     "feature": DraftKind(_trained_for_target("feature"), "DIR"),
     "conditioned": DraftKind(_trained_for_target("conditioned"), "DIR"),
-    **{name: DraftKind(lambda argument, target, dtype, device, folder=folder: feature_draft(folder, target))
-       for name, folder in FEATURE_HEADS.items()},
+    **{name: DraftKind(_feature_head(folder)) for name, folder in FEATURE_HEADS.items()},
     **{name: DraftKind(_distilled(name, False)) for name in DISTILLED_DRAFTS},
     **{f"{name}-full": DraftKind(_distilled(name, True)) for name in DISTILLED_DRAFTS},
 }

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..invariants import TraceWriter
-from ..options import GenerateOptions, check_choice, resolve
+from ..options import GenerateOptions, check_choice, per_prompt, resolve
 from .engine import Options, ReferenceResult
 from .strategies import STRATEGIES, Job
 
@@ -50,7 +50,7 @@ def generate(target, draft, prompts, options: GenerateOptions | None = None, *, 
     threshold, floor = (opts.draft_threshold, min(opts.draft_floor, opts.draft_threshold)) \
         if opts.policy == "threshold" and k else (0.0, 0.0)
     count = len(prompts)
-    max_new = list(opts.max_new_tokens) if isinstance(opts.max_new_tokens, (list, tuple)) else [opts.max_new_tokens] * count
+    max_new = per_prompt("max_new_tokens", opts.max_new_tokens, count)
     writer = None
     if trace is not None:
         writer = TraceWriter(trace, layout=STRATEGIES[opts.strategy].layout,

@@ -148,6 +148,27 @@ def check_row_kv(model, kv, tokens, pending: int, row: int, name: str):
     return found
 
 
+def draft_rect(rows, state: RectState, draft, limit, opt: Options, found: list):
+    """The draft's proposals on a rectangular batch: (drafted [B, steps], confidence [B, steps],
+    proposed [B], the draft's extended cache or None when no row may draft); I2/I4 of each draft
+    forward go to `found` under opt.check."""
+    batch, width = state.tokens.shape
+    if limit.max() <= 0:
+        return np.zeros((batch, 0), dtype=np.int64), np.zeros((batch, 0)), np.zeros(batch, int), None
+    pending = max(r.draft_pending for r in rows)  # re-feed the last `pending` tokens of every row
+    past = [stack_kv([r.draft_kv for r in rows], state.pad_len, width - pending, draft)]
+
+    def step_fn(step, so_far):
+        cols = np.arange(width - pending, width) if step == 0 else np.array([width + step - 1])
+        toks = state.tokens[:, width - pending:] if step == 0 else so_far[:, -1:]
+        logits, past[0], seen = forward_rect(draft, state, past[0], cols, toks, opt.window)
+        if opt.check:
+            found.extend(check_rect_forward(state, cols, seen, opt.window))
+        return logits[:, -1]
+    drafted, confidence, proposed = draft_rows(draft, limit, opt.threshold, step_fn, opt.floor)
+    return drafted, confidence, proposed, past[0]
+
+
 def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: list | None):
     """One round on a rectangular batch made of `rows` (repad), then unpad back into the rows.
 
@@ -159,21 +180,7 @@ def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: 
     if opt.check:  # without I1 nothing below is meaningful: stop at once
         raise_if(check_alignment(pad, content, width), round_index)
     found = []
-    drafted, confidence, proposed = np.zeros((batch, 0), dtype=np.int64), np.zeros((batch, 0)), np.zeros(batch, int)
-
-    if limit.max() > 0:
-        pending = max(r.draft_pending for r in rows)  # re-feed the last `pending` tokens of every row
-        past = [stack_kv([r.draft_kv for r in rows], pad, width - pending, draft)]
-
-        def step_fn(step, so_far):
-            cols = np.arange(width - pending, width) if step == 0 else np.array([width + step - 1])
-            toks = state.tokens[:, width - pending:] if step == 0 else so_far[:, -1:]
-            logits, past[0], seen = forward_rect(draft, state, past[0], cols, toks, opt.window)
-            if opt.check:
-                found.extend(check_rect_forward(state, cols, seen, opt.window))
-            return logits[:, -1]
-        drafted, confidence, proposed = draft_rows(draft, limit, opt.threshold, step_fn, opt.floor)
-        past_d = past[0]
+    drafted, confidence, proposed, past_d = draft_rect(rows, state, draft, limit, opt, found)
     k_round = drafted.shape[1]  # draft steps run
     width_q = int(proposed.max(initial=0))  # the longest proposal: shorter rows never accept the rest
 

@@ -163,7 +163,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     if pad_token_id is not None:
         check_token_id("pad_token_id", pad_token_id, vocab)
     ids = _prompt_ids(prompts, tokenizer, vocab, chat_template)
-    max_new = _budgets(opts.max_new_tokens, len(ids))
+    max_new = per_prompt("max_new_tokens", opts.max_new_tokens, len(ids))
     k = opts.num_draft_tokens if draft is not None else 0
     window = _sliding_window(target, draft, ids, max_new, k)
     settings, writer = _settings(target, opts, runner.layout, strategy, ids, max_new, k, window, eos_token_id,
@@ -200,14 +200,6 @@ def _check_draft(target, draft, tokenizer, draft_tokenizer, runner, strategy: st
         keeping = ", ".join(repr(name) for name, cls in STRATEGIES.items() if cls.keeps_features)
         raise ValueError(f"the draft reads the target's features (a feature draft, fast.feature_draft); only "
                          f"strategy={keeping} keeps them, got strategy={strategy!r}")
-
-
-def _budgets(max_new_tokens, count: int) -> list[int]:
-    """max_new_tokens per request (an int applies to all)."""
-    max_new = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * count
-    if len(max_new) != count:
-        raise ValueError(f"max_new_tokens has {len(max_new)} entries for {count} prompts")
-    return max_new
 
 
 def _sliding_window(target, draft, ids, max_new, k: int) -> int | None:

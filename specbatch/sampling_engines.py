@@ -127,13 +127,7 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
                   seeds=None, **processors):
         from .reference.processors import Processors
         proc = Processors(**processors)
-        at_drafts = proc.min_p if bug != "processors-bonus-only" else 0.0  # the target's min_p at draft positions
         count = len(prompts)
-        seeds = list(seeds) if seeds is not None else list(range(count))
-        if bug == "shared-stream":  # every row of a batch reads its first row's stream
-            seeds = [seeds[i - i % batch_size] for i in range(count)]
-        elif bug == "slot-keyed":
-            seeds = [i % batch_size for i in range(count)]
         device = next(target.parameters()).device
         budget = torch.tensor(list(max_new_tokens), device=device)
         prompt_len = torch.tensor([len(p) for p in prompts], device=device)
@@ -144,7 +138,7 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
         done = budget <= 0
         eos = torch.tensor(list(eos_token_ids) or [-1], device=device)
         eos_ids = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
-        stream_of = torch.tensor(seeds, device=device)
+        stream_of = torch.tensor(_streams(seeds, count, batch_size, bug), device=device)
         while not done.all():
             rows = (~done).nonzero()[:, 0]
             stream, zero = stream_of[rows], torch.zeros_like(rows)
@@ -153,12 +147,8 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
             q = _draft_tokens(draft, work, length, prompt_len[rows], made[rows], stream, k, proc, eos_ids, bug,
                               temperature, top_k, top_p)  # writes the proposals into work
             drafted = work.gather(1, length[:, None] + torch.arange(k, device=device)[None, :])  # [R, k]
-            raw = _last_logits(target, work, length + k, k + 1)  # [R, k + 1, V]
-            processed = _process(raw, work, prompt_len[rows], length, proc, eos_ids, bug)
-            if bug == "processors-bonus-only":  # the draft positions' queries keep the raw logits
-                processed = torch.cat([raw[:, :k], processed[:, k:]], dim=1)
-            p = torch.cat([_probs(processed[:, :k], temperature, top_k, top_p, bug, at_drafts),
-                           _probs(processed[:, k:], temperature, top_k, top_p, bug, proc.min_p)], dim=1)
+            p = _target_probs(target, work, length, prompt_len[rows], k, proc, eos_ids, bug, temperature, top_k,
+                              top_p)  # [R, k + 1, V]
             accepted = torch.zeros(len(rows), dtype=torch.long, device=device)
             if k:
                 q = torch.stack(q, dim=1)  # [R, k, V]
@@ -182,17 +172,45 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
                 dist = torch.where((accepted < k)[:, None], residual, bonus)
             token = sample_from(dist, rng.uniform(stream, zero, made[rows] + accepted, "sample"))
             work[index, length + accepted] = token
-            # commit accepted + 1 tokens, up to the budget and the first EOS
-            new = work.gather(1, length[:, None] + torch.arange(k + 1, device=device)[None, :])  # [R, k+1]
-            offered = torch.minimum(accepted + 1, budget[rows] - made[rows])
-            is_eos = (new[..., None] == eos).any(-1) & (torch.arange(k + 1, device=device)[None, :] < offered[:, None])
-            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, offered)
+            committed, hit_eos = _committed(work, length, accepted, budget[rows] - made[rows], eos, k)
             tokens[rows] = work
-            made[rows] += first_eos
-            done[rows] = is_eos.any(1) | (made[rows] >= budget[rows])
+            made[rows] += committed
+            done[rows] = hit_eos | (made[rows] >= budget[rows])
         return [tokens[i, len(p):len(p) + int(made[i])].tolist() for i, p in enumerate(prompts)]
     sample_fn.planted = []  # with planted: the TV distance of every token drawn at a planted position
     return sample_fn
+
+
+def _streams(seeds, count: int, batch_size: int, bug) -> list:
+    """Each row's noise stream: its seed (default its index); the stream bugs key it by batch slot."""
+    seeds = list(seeds) if seeds is not None else list(range(count))
+    if bug == "shared-stream":  # every row of a batch reads its first row's stream
+        return [seeds[i - i % batch_size] for i in range(count)]
+    if bug == "slot-keyed":
+        return [i % batch_size for i in range(count)]
+    return seeds
+
+
+def _target_probs(target, work, length, prompt_len, k: int, proc, eos_ids, bug, temperature, top_k, top_p):
+    """The target's sampling distribution [R, k + 1, V] at every verify query, after the processors
+    (min_p at the draft positions too, except under processors-bonus-only)."""
+    raw = _last_logits(target, work, length + k, k + 1)  # [R, k + 1, V]
+    processed = _process(raw, work, prompt_len, length, proc, eos_ids, bug)
+    at_drafts = proc.min_p
+    if bug == "processors-bonus-only":  # the draft positions' queries keep the raw logits
+        processed, at_drafts = torch.cat([raw[:, :k], processed[:, k:]], dim=1), 0.0
+    return torch.cat([_probs(processed[:, :k], temperature, top_k, top_p, bug, at_drafts),
+                      _probs(processed[:, k:], temperature, top_k, top_p, bug, proc.min_p)], dim=1)
+
+
+def _committed(work, length, accepted, left, eos, k: int):
+    """(tokens each row commits [R], whether it hit EOS [R]): accepted + 1, up to the budget `left`
+    and the first EOS (kept)."""
+    steps = torch.arange(k + 1, device=work.device)[None, :]
+    new = work.gather(1, length[:, None] + steps)  # [R, k + 1]
+    offered = torch.minimum(accepted + 1, left)
+    is_eos = (new[..., None] == eos).any(-1) & (steps < offered[:, None])
+    return torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, offered), is_eos.any(1)
 
 
 def _draft_tokens(draft, work, length, prompt_len, made, stream, k: int, proc, eos_ids, bug, temperature, top_k,
