@@ -7,6 +7,7 @@ values. The realignment of the EQSPEC update is one gather per cache tensor
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
 
@@ -69,3 +70,28 @@ def gather_cache(cache: DynamicCache, rows: torch.Tensor | None, source: torch.T
             layer.keys = layer.keys.reshape(-1, dim).index_select(0, index).view(shape)
             layer.values = layer.values.reshape(-1, layer.values.shape[-1]).index_select(0, index).view(
                 shape[:3] + (layer.values.shape[-1],))
+
+
+def row_views(cache: DynamicCache, row: int, pad: int) -> list:
+    """Views (no copy) of one row's K/V per layer, [T, H, D] from column `pad` on."""
+    return [(layer.keys[row, :, pad:].transpose(0, 1), layer.values[row, :, pad:].transpose(0, 1))
+            for layer in cache_layers(cache) if layer.keys.dim() == 4]
+
+
+def stacked_cache(per_row_kv: list, keep: list[int]) -> DynamicCache:
+    """Left-pad each row's first keep[i] entries and stack: one pad_sequence per cache tensor.
+
+    (A row shorter than the batch's draft pending count keeps nothing: its first draft step re-feeds
+    pad columns, which the masks hide.)"""
+    cache = DynamicCache()
+    template = next((kv for kv in per_row_kv if kv), None)  # a row whose draft cache is empty has no layers
+    if template is None or max(keep) == 0:
+        return cache
+    for layer in range(len(template)):
+        parts = []
+        for part in (0, 1):
+            pieces = [(kv[layer][part] if kv else template[layer][part])[:n if kv else 0]
+                      for kv, n in zip(per_row_kv, keep)]
+            parts.append(pad_sequence(pieces, batch_first=True, padding_side="left").transpose(1, 2))
+        cache.update(parts[0], parts[1], layer)
+    return cache

@@ -16,8 +16,11 @@ One class per kind of draft side, chosen by `proposer_for` from the draft's decl
 
     NoDraft          target-only decoding: no row proposes, nothing is kept
     DraftProposer    a draft model over the slot rows (a token draft, prompt lookup alone, a
-                     restricted head handing the chooser its subset's logits); lookup-first when the
-                     draft declares its own prompt lookup
+                     restricted head handing the chooser its subset's logits)
+    LookupFirst      wraps either of the two for a draft that declares its own prompt lookup
+                     (fast.lookup_draft.LookupFirstDraft) under a policy that reads confidences: the
+                     engine runs that lookup over the token buffer, and rows whose lookup matches
+                     draft by lookup alone
     FeatureProposer  a draft that reads the target's features (fast.feature_draft): it also keeps
                      each row's features, and K/V made from its own feature estimates never stay
 """
@@ -75,14 +78,9 @@ class DraftProposer:
         self.pending = np.ones(slots, dtype=np.int64)  # per slot: committed tokens without K/V in self.cache
         self.grouped = uses_engine_attention(draft.model)
         can = draft.abilities
-        lookup_first = can.prompt_lookup is not None and settings.reads_confidence
-        self.lookup = can.prompt_lookup if lookup_first else None  # lookup rows (draft_round) stop on confidence
-        self.vocab = vocab_size(draft.model) if lookup_first else None
-        # the draft step's own options: the engine's lookup replaces the draft's (one lookup a step), and
-        # a restricted head's logits stay restricted (fast.reduced_head.SubsetLogits; greedy reads them as they are)
+        # the draft step's own options: a restricted head's logits stay restricted
+        # (fast.reduced_head.SubsetLogits; greedy reads them as they are)
         self.options = {}
-        if lookup_first:
-            self.options["engine_lookup"] = True
         if can.returns_subset:
             self.options["subset_logits"] = True
         # a draft whose rows are independent and keep no K/V (the feature head) computes, at each step,
@@ -108,8 +106,9 @@ class DraftProposer:
                      self.settings, self._prefill_route())
         self.pending[slots] = 1
 
-    def propose(self, rows, content, remaining, requests, waiting) -> Proposals:
-        """Each running row's proposals, at most min(k, remaining - 1) (I5's budget side)."""
+    def propose(self, rows, content, remaining, requests, waiting, lookup_step=None) -> Proposals:
+        """Each running row's proposals, at most min(k, remaining - 1) (I5's budget side);
+        lookup_step: engine.draft_round's (LookupFirst)."""
         s = self.settings
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
         rows_dev = dev(rows)
@@ -126,27 +125,7 @@ class DraftProposer:
                 query_index = content[:, None] + step - 1
             return self.forward(query_index, ids, self._step_features(rows_dev, query_index, refeed), subset)
 
-        lookup = self.lookup_step(rows_dev, content) if self.lookup is not None else None
-        return draft_round(step_forward, s, clamp, requests, dev(content), s.device, lookup, remaining, waiting)
-
-    def lookup_step(self, rows_dev, content: np.ndarray):
-        """draft_round's lookup_step for this round's rows: the lookup-first draft's prompt lookup over
-        each row's tokens (content 0..c_i - 1, then the round's proposals), run on the token buffer
-        itself (no cache: a round of lookup rows alone leaves the draft's cache as it is)."""
-        s, rows = self.settings, len(content)
-        width = int(content.max()) + s.k
-        work = self.tokens[rows_dev, :width].clone()
-        length = torch.as_tensor(content, device=s.device)
-        column = torch.arange(width, device=s.device)[None, :]
-        row_index = torch.arange(rows, device=s.device)
-
-        def step(step, ids):
-            if ids is not None:  # the previous step's tokens follow each row's content
-                work[row_index, length + step - 1] = ids[:, 0]
-            history = torch.where(column < (length + step)[:, None], work, torch.full_like(work, -1))
-            proposal, matched = latest_match(history, length + step - 1, self.lookup.max_ngram, self.lookup.min_match)
-            return LookupStep(proposal, matched, self.vocab, s.dtype)
-        return step
+        return draft_round(step_forward, s, clamp, requests, dev(content), s.device, lookup_step, remaining, waiting)
 
     def update(self, rows, committed, accepted, proposals: Proposals) -> None:
         """Told what each row committed: the draft cache keeps K/V of content[:c - pending] (I3)."""
@@ -171,6 +150,56 @@ class DraftProposer:
 
     def _prefix_features(self, row: int, length: int):
         return None
+
+
+class LookupFirst:
+    """A lookup-first draft (fast.lookup_draft.LookupFirstDraft) under a policy that reads confidences,
+    around the proposer of the draft model it wraps (`model_side`, which keeps every cache): the engine
+    runs the draft's prompt lookup over the token buffer, one lookup a step, in place of the draft's
+    own (its step runs with engine_lookup=True); a row whose lookup matches at step 0 drafts by lookup
+    alone and stops where the chain of matches breaks (engine.draft_round)."""
+
+    def __init__(self, model_side: DraftProposer, draft, settings: Settings, tokens: torch.Tensor):
+        self.model_side, self.settings, self.tokens = model_side, settings, tokens
+        self.lookup = draft.abilities.prompt_lookup
+        self.vocab = vocab_size(draft.model)
+        self.features = model_side.features
+        model_side.options["engine_lookup"] = True
+
+    def propose(self, rows, content, remaining, requests, waiting) -> Proposals:
+        rows_dev = torch.as_tensor(rows, device=self.settings.device)
+        return self.model_side.propose(rows, content, remaining, requests, waiting, self.lookup_step(rows_dev, content))
+
+    def prefill(self, prompts, slots) -> None:
+        self.model_side.prefill(prompts, slots)
+
+    def update(self, rows, committed, accepted, proposals: Proposals) -> None:
+        self.model_side.update(rows, committed, accepted, proposals)
+
+    def move_row(self, src: int, dst: int, count: int) -> None:
+        self.model_side.move_row(src, dst, count)
+
+    def check_cache(self, row: int, content: list) -> list:
+        return self.model_side.check_cache(row, content)
+
+    def lookup_step(self, rows_dev, content: np.ndarray):
+        """draft_round's lookup_step for this round's rows: the draft's prompt lookup over each row's
+        tokens (content 0..c_i - 1, then the round's proposals), run on the token buffer itself (no
+        cache: a round of lookup rows alone leaves the draft's cache as it is)."""
+        s, rows = self.settings, len(content)
+        width = int(content.max()) + s.k
+        work = self.tokens[rows_dev, :width].clone()
+        length = torch.as_tensor(content, device=s.device)
+        column = torch.arange(width, device=s.device)[None, :]
+        row_index = torch.arange(rows, device=s.device)
+
+        def step(step, ids):
+            if ids is not None:  # the previous step's tokens follow each row's content
+                work[row_index, length + step - 1] = ids[:, 0]
+            history = torch.where(column < (length + step)[:, None], work, torch.full_like(work, -1))
+            proposal, matched = latest_match(history, length + step - 1, self.lookup.max_ngram, self.lookup.min_match)
+            return LookupStep(proposal, matched, self.vocab, s.dtype)
+        return step
 
 
 class FeatureProposer(DraftProposer):
@@ -210,8 +239,13 @@ class FeatureProposer(DraftProposer):
 
 def proposer_for(draft, settings: Settings, tokens: torch.Tensor, slots: int, capacity: int):
     """The ragged engine's proposer for `draft`: NoDraft for target-only decoding, FeatureProposer for a
-    draft that reads the target's features, DraftProposer for every other draft."""
+    draft that reads the target's features, DraftProposer for every other draft; either inside
+    LookupFirst for a draft with its own prompt lookup under a policy that reads confidences."""
     if draft is None:
         return NoDraft(settings)
-    kind = FeatureProposer if draft.abilities.reads_features else DraftProposer
-    return kind(draft, settings, tokens, slots, capacity)
+    can = draft.abilities
+    kind = FeatureProposer if can.reads_features else DraftProposer
+    proposer = kind(draft, settings, tokens, slots, capacity)
+    if can.prompt_lookup is not None and settings.reads_confidence:
+        return LookupFirst(proposer, draft, settings, tokens)
+    return proposer

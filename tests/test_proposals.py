@@ -147,7 +147,7 @@ def test_rows_stop_at_different_steps(strategy):
         lengths.append(list(proposals.proposed))
         return proposals
     draft_round = engine.draft_round
-    module = {"eqspec": "strategies.eqspec", "exspec": "strategies.eqspec", "ragged": "proposer"}[strategy]
+    module = {"eqspec": "rect_proposer", "exspec": "rect_proposer", "ragged": "proposer"}[strategy]
     import importlib
     mod = importlib.import_module(f"specbatch.fast.{module}")
     original = mod.draft_round
@@ -185,7 +185,7 @@ def neighbour_rule(monkeypatch):
         proposals.proposed = np.roll(proposals.proposed, 1) if len(proposals.proposed) > 1 else proposals.proposed
         proposals.proposed = np.minimum(proposals.proposed, proposals.steps)
         return proposals
-    for name in ("strategies.eqspec", "proposer"):
+    for name in ("rect_proposer", "proposer"):
         monkeypatch.setattr(f"specbatch.fast.{name}.draft_round", draft_round)
 
 

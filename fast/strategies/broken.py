@@ -21,9 +21,9 @@ from .eqspec import Eqspec, RectBatch
 
 
 class BspLikeBatch(RectBatch):
-    def _update(self, extended, keep, n, accepted, k):
+    def _update(self, extended, keep, n, accepted, proposals):
         stale = {id(layer): (layer.keys, layer.values) for layer in self.target_cache.layers}
-        super()._update(extended, keep, n, accepted, k)
+        super()._update(extended, keep, n, accepted, proposals)
         if not keep.all():
             return
         for layer in self.target_cache.layers:  # put the un-cropped verify slots back (rejected drafts kept)
@@ -33,7 +33,8 @@ class BspLikeBatch(RectBatch):
 
 
 class DsdLikeBatch(RectBatch):
-    def _update(self, extended, keep, n, accepted, k):
+    def _update(self, extended, keep, n, accepted, proposals):
+        k = proposals.model_steps
         full = accepted == k
         if k and full.any():  # the bonus token comes from the draft's last proposal instead of the target
             rows = torch.as_tensor(np.nonzero(full)[0], device=extended.device)
@@ -42,7 +43,7 @@ class DsdLikeBatch(RectBatch):
         column = torch.arange(extended.shape[1], device=extended.device)[None, :]
         n_t = torch.as_tensor(n, device=extended.device)[:, None]
         tokens = extended.masked_fill(column >= self.width + n_t, self.settings.pad_id)[:, :width]  # right pads
-        super()._update(extended, keep, n, accepted, k)  # lengths, caches and bookkeeping as usual...
+        super()._update(extended, keep, n, accepted, proposals)  # lengths, caches and bookkeeping as usual...
         rows = torch.as_tensor(np.nonzero(keep)[0], device=extended.device)
         self.tokens = tokens[rows][:, -self.width:]  # ...but the token layout is never unpadded
 

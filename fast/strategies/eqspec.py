@@ -2,34 +2,35 @@
 
 State per batch: token ids [B, L] and per-row content lengths (pad_len = L - content_len, I1),
 the target cache covering columns [0, L - 1) (the pending token is column L - 1 for every row),
-and the draft cache covering [0, L - P), P = the largest draft pending count (1, or 2 after a full
-accept). A round is: draft k tokens, verify k + 1 in one target forward, accept, commit, realign
-with one gather per cache tensor (or a crop when every row committed the same count).
+and the draft's side (fast.rect_proposer: its cache covers [0, L - P), P = the largest draft
+pending count, 1, or 2 after a full accept). A round is: draft k tokens, verify k + 1 in one target
+forward, accept, commit, realign with one gather per cache tensor (or a crop when every row
+committed the same count).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from ..cache import cache_width, gather_cache, rect_inputs
+from ..cache import gather_cache, rect_inputs
 from ..prefill import prefill_rectangle
 from ...invariants import check_alignment
 from ...reference.pool import FixedBatches
-from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, draft_round, dynamic_layer_kv,
-                      rect_queries, record_round)
+from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, dynamic_layer_kv, rect_queries,
+                      record_round)
 from ..processors import STOP, STOP_REASONS
-from ..verify import commit_counts, draft_pending_after
+from ..rect_proposer import rect_proposer_class
+from ..verify import commit_counts
 
 
 class RectBatch:
-    def __init__(self, target, draft, settings: Settings, stats: Stats, clock, *, request, prompt_len, content_len,
-                 budget_end, draft_pending, tokens, target_cache, draft_cache, rounds=None):
-        self.target, self.draft, self.settings, self.stats, self.clock = target, draft, settings, stats, clock
+    def __init__(self, target, settings: Settings, stats: Stats, clock, *, request, prompt_len, content_len,
+                 budget_end, tokens, target_cache, proposer, rounds=None):
+        self.target, self.settings, self.stats, self.clock = target, settings, stats, clock
         self.request, self.prompt_len, self.content_len = request, prompt_len, content_len
         self.rounds = np.zeros(len(request), dtype=np.int64) if rounds is None else rounds  # rounds each row ran
-        self.budget_end, self.draft_pending, self.tokens = budget_end, draft_pending, tokens
-        self.target_cache, self.draft_cache = target_cache, draft_cache
+        self.budget_end, self.tokens = budget_end, tokens
+        self.target_cache, self.proposer = target_cache, proposer  # proposer: the draft's side (fast.rect_proposer)
 
     @classmethod
     def prefill(cls, prompts, requests, max_new, target, draft, settings: Settings, stats: Stats, clock):
@@ -39,17 +40,14 @@ class RectBatch:
         width = int(prompt_len.max())
         tokens = torch.tensor([[settings.pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long,
                               device=settings.device)
-        batch = cls(target, draft, settings, stats, clock, request=np.asarray(requests), prompt_len=prompt_len,
-                    content_len=prompt_len.copy(), budget_end=prompt_len + np.asarray(max_new),
-                    draft_pending=np.ones(len(prompts), dtype=np.int64), tokens=tokens,
-                    target_cache=DynamicCache(), draft_cache=DynamicCache())
         with clock("time_prefill"):  # real tokens only, packed; the caches come out left-padded (I1)
             contents = [list(p)[:-1] for p in prompts]
-            batch.target_cache = prefill_rectangle(target, contents, width - 1, settings)
-            if draft is not None:
-                batch.draft_cache = prefill_rectangle(draft, contents, width - 1, settings)
+            target_cache = prefill_rectangle(target, contents, width - 1, settings)
+            proposer = rect_proposer_class(draft).prefilled(draft, settings, contents, width - 1)
         settings.observer.end_round(0)
-        return batch
+        return cls(target, settings, stats, clock, request=np.asarray(requests), prompt_len=prompt_len,
+                   content_len=prompt_len.copy(), budget_end=prompt_len + np.asarray(max_new), tokens=tokens,
+                   target_cache=target_cache, proposer=proposer)
 
     @property
     def size(self) -> int:
@@ -64,6 +62,7 @@ class RectBatch:
         return torch.as_tensor(self.width - self.content_len, device=self.settings.device)
 
     def forward(self, runner, ids, first_col, cache, last_only=False):
+        """runner's logits for the query columns first_col.. of every row, with the positions and mask used."""
         s = self.settings
         pos, mask = rect_inputs(self.pad_len_t, first_col, ids.shape[1], s.window, s.dtype, s.fill)
         s.observer.check(lambda: check_rect_forward(self.pad_len_t, first_col, pos, mask, s.window))
@@ -74,22 +73,15 @@ class RectBatch:
         s, width = self.settings, self.width
         self.rounds += 1
         remaining = self.budget_end - self.content_len
-        clamp = np.minimum(s.k, remaining - 1) if self.draft is not None else np.zeros(self.size, dtype=np.int64)
+        clamp = np.minimum(s.k, remaining - 1)
         s.observer.check(lambda: check_alignment(width - self.content_len, self.content_len, width))
 
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
         requests, content = dev(self.request), dev(self.content_len)
-        pending = self.uniform_pending  # the first step re-feeds the last `pending` columns of every row
-        first = [width - pending]
-
-        def step_forward(step, ids, needed):  # every row is computed (its draft keeps K/V)
-            ids = self.tokens[:, width - pending:] if ids is None else ids
-            logits, _, _ = self.forward(self.draft, ids, first[0], self.draft_cache, last_only=True)
-            first[0] += ids.shape[1]
-            return logits[:, -1]
-
         with self.clock("time_draft"):
-            proposals = draft_round(step_forward, s, clamp, requests, content, s.device)
+            draft_forward = lambda runner, ids, first_col, cache: self.forward(  # noqa: E731
+                runner, ids, first_col, cache, last_only=True)[0]
+            proposals = self.proposer.propose(draft_forward, self.tokens, clamp, requests, content)
         p, q = proposals.proposed, proposals.q
         drafted = proposals.drafted[:, :proposals.width - 1]  # longer rows' proposals; shorter rows never accept them
 
@@ -113,7 +105,7 @@ class RectBatch:
                                                           content_len=self.content_len),
                              lambda: rect_queries(pos, mask, p), proposals, choice, accepted, n, remaining, finished,
                              hit_eos == STOP)
-            self._update(extended, ~finished, n, accepted, proposals.model_steps)
+            self._update(extended, ~finished, n, accepted, proposals)
         self.stats.add_round(p, accepted, n)
         s.observer.check(lambda: self._check_caches(round_index))
         s.observer.end_round(round_index)
@@ -129,20 +121,9 @@ class RectBatch:
         return [(int(self.request[r]), host[j, start[j]:end[j]].tolist(), STOP_REASONS[int(hit_eos[r])],
                  int(self.rounds[r])) for j, r in enumerate(rows)]
 
-    @property
-    def uniform_pending(self) -> int:
-        """The draft cache covers columns [0, L - P) for every row alike: P is the rows' largest
-        pending count (a row with less loses the K/V in between, recomputed when its first draft step
-        re-feeds the last P columns; a row shorter than P has nothing cached: its pad columns in
-        those P are pad queries)."""
-        return min(int(self.draft_pending.max()), self.width)
-
-    def _update(self, extended, keep, n, accepted, k):
-        """The EQSPEC update on tokens and both caches: one gather each, or a crop when δ = 0.
-
-        k: draft steps run this round (0: the draft did not run and every row's pending count grows)."""
+    def _update(self, extended, keep, n, accepted, proposals):
+        """The EQSPEC update on tokens and both caches: one gather each, or a crop when δ = 0."""
         new_len = self.content_len + n
-        pending = draft_pending_after(n, accepted, k, np.full(self.size, self.uniform_pending))
         if not keep.any():
             self.request = self.request[:0]
             return
@@ -158,10 +139,9 @@ class RectBatch:
             kept = extended if rows is None else extended[rows]
             self.tokens = kept.gather(1, source)
         gather_cache(self.target_cache, rows, source, new_width - 1)
-        if self.draft is not None:
-            gather_cache(self.draft_cache, rows, source, max(new_width - int(pending[keep].max()), 0))
+        self.proposer.realign(self.width, n, accepted, proposals, keep, rows, source, new_width)
         self.request, self.prompt_len, self.budget_end = self.request[keep], self.prompt_len[keep], self.budget_end[keep]
-        self.content_len, self.draft_pending, self.rounds = new_len[keep], pending[keep], self.rounds[keep]
+        self.content_len, self.rounds = new_len[keep], self.rounds[keep]
 
     def _check_caches(self, round_index):
         """I3 on one sampled row per round (round robin), target and draft, by unpadded recomputation."""
@@ -172,11 +152,7 @@ class RectBatch:
         content = self.tokens[row, pad:].tolist()
         found = check_cache_row(self.target, dynamic_layer_kv(self.target_cache, row), row, content[:-1], pad,
                                 self.settings, "target cache")
-        if self.draft is not None:
-            cached = max(cache_width(self.draft_cache) - pad, 0)
-            found += check_cache_row(self.draft, dynamic_layer_kv(self.draft_cache, row), row, content[:cached], pad,
-                                     self.settings, "draft cache")
-        return found
+        return found + self.proposer.check_cache(row, content, pad)
 
 
 class Eqspec:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import DynamicCache
 
 from ...invariants import check_conservation
 from ...reference.pool import ExspecPool
-from ..cache import cache_layers, cache_width
+from ..cache import row_views, stacked_cache
 from ..engine import Arrivals, Settings, Stats
+from ..rect_proposer import rect_proposer_class
 from .eqspec import RectBatch
 
 
@@ -46,37 +46,13 @@ class PooledRow:
 def unstack(batch: RectBatch) -> list[PooledRow]:
     """Views of each row of a batch (no copy)."""
     rows = []
-    draft_width = cache_width(batch.draft_cache)
-    pending = batch.width - draft_width  # the batch keeps a uniform draft width L - P
+    pending = batch.proposer.pending_columns(batch.width)  # the batch keeps a uniform draft width L - P
     for i in range(batch.size):
         pad = batch.width - int(batch.content_len[i])
         rows.append(PooledRow(
             int(batch.request[i]), int(batch.prompt_len[i]), int(batch.budget_end[i]), batch.tokens[i, pad:],
-            [(layer.keys[i, :, pad:].transpose(0, 1), layer.values[i, :, pad:].transpose(0, 1))
-             for layer in cache_layers(batch.target_cache) if layer.keys.dim() == 4],
-            [(layer.keys[i, :, pad:].transpose(0, 1), layer.values[i, :, pad:].transpose(0, 1))
-             for layer in cache_layers(batch.draft_cache) if layer.keys.dim() == 4],
-            pending if batch.draft is not None else 1, int(batch.rounds[i])))
+            row_views(batch.target_cache, i, pad), batch.proposer.row_kv(i, pad), pending, int(batch.rounds[i])))
     return rows
-
-
-def _stacked_cache(per_row_kv: list, keep: list[int]) -> DynamicCache:
-    """Left-pad each row's first keep[i] entries and stack: one pad_sequence per cache tensor.
-
-    (A row shorter than the batch's draft pending count keeps nothing: its first draft step re-feeds
-    pad columns, which the masks hide.)"""
-    cache = DynamicCache()
-    template = next((kv for kv in per_row_kv if kv), None)  # a row whose draft cache is empty has no layers
-    if template is None or max(keep) == 0:
-        return cache
-    for layer in range(len(template)):
-        parts = []
-        for part in (0, 1):
-            pieces = [(kv[layer][part] if kv else template[layer][part])[:n if kv else 0]
-                      for kv, n in zip(per_row_kv, keep)]
-            parts.append(pad_sequence(pieces, batch_first=True, padding_side="left").transpose(1, 2))
-        cache.update(parts[0], parts[1], layer)
-    return cache
 
 
 def stack(rows: list[PooledRow], target, draft, settings: Settings, stats: Stats, clock) -> RectBatch:
@@ -85,13 +61,12 @@ def stack(rows: list[PooledRow], target, draft, settings: Settings, stats: Stats
     pending = max(r.draft_pending for r in rows)
     tokens = pad_sequence([r.tokens for r in rows], batch_first=True, padding_side="left",
                           padding_value=settings.pad_id)
-    return RectBatch(target, draft, settings, stats, clock, request=np.array([r.request for r in rows]),
+    proposer = rect_proposer_class(draft).stacked(draft, settings, [r.draft_kv for r in rows], content, pending)
+    return RectBatch(target, settings, stats, clock, request=np.array([r.request for r in rows]),
                      prompt_len=np.array([r.prompt_len for r in rows]), content_len=content,
-                     budget_end=np.array([r.budget_end for r in rows]),
-                     draft_pending=np.full(len(rows), pending, dtype=np.int64), tokens=tokens,
+                     budget_end=np.array([r.budget_end for r in rows]), tokens=tokens,
                      rounds=np.array([r.rounds for r in rows]),
-                     target_cache=_stacked_cache([r.target_kv for r in rows], list(content - 1)),
-                     draft_cache=_stacked_cache([r.draft_kv for r in rows], list(np.maximum(content - pending, 0))))
+                     target_cache=stacked_cache([r.target_kv for r in rows], list(content - 1)), proposer=proposer)
 
 
 class Exspec:
@@ -137,8 +112,8 @@ class Exspec:
                 on_done(*done)
                 finished.add(done[0])
             with clock("time_align"):
-                keys = {int(r): (int(c), 1, int(batch.width - cache_width(batch.draft_cache)) if draft is not None else 1)
-                        for r, c in zip(batch.request, batch.content_len)}
+                pending = batch.proposer.pending_columns(batch.width)
+                keys = {int(r): (int(c), 1, pending) for r, c in zip(batch.request, batch.content_len)}
                 pool.finish_round(keys, finished)
                 if batch.size == 0:
                     batch = None
