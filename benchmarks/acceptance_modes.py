@@ -16,7 +16,7 @@ import torch
 import specbatch
 
 def imposed_pair():
-    from specbatch.fast.drafts import IMPOSED_P, IMPOSED_Q, ImposedLM
+    from specbatch.fast.drafts.scripted import IMPOSED_P, IMPOSED_Q, ImposedLM
     return ImposedLM(IMPOSED_P), ImposedLM(IMPOSED_Q), [[0]] * 20000, IMPOSED_P, IMPOSED_Q
 
 

@@ -1,4 +1,4 @@
-"""Processor vectors (specbatch.processor_vectors) for SmolLM2-135M-Instruct, and the verdicts of
+"""Processor vectors (specbatch.conformance.processor_vectors) for SmolLM2-135M-Instruct, and the verdicts of
 specbatch and transformers' assisted generation on them, both with the distilled draft.
 
     python benchmarks/conform_processors.py --out docs/results/processors
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import specbatch
 from specbatch import testing
-from specbatch.machine import describe_machine
-from specbatch.processor_vectors import load_processor_vectors, make_processor_vectors, save_processor_vectors
+from specbatch.cli.machine import describe_machine
+from specbatch.conformance.processor_vectors import load_processor_vectors, make_processor_vectors, save_processor_vectors
 
 
 def write(out: Path, record: dict) -> None:
@@ -28,7 +28,7 @@ def write(out: Path, record: dict) -> None:
 
 
 def check_other(out: Path, outputs: str, name: str, without: str = "") -> int:
-    from specbatch.processor_vectors import ProcessorVectors, check_processor_outputs, load_processor_vectors
+    from specbatch.conformance.processor_vectors import ProcessorVectors, check_processor_outputs, load_processor_vectors
     vectors = load_processor_vectors(out / "vectors.json")
     left_out = [r["id"] for r in vectors.requests if set(r["settings"]) & set(filter(None, without.split(",")))]
     keep = [r for r in vectors.requests if r["id"] not in left_out]

@@ -1,5 +1,5 @@
 """Verdicts on real inference servers: start one on 127.0.0.1, send it the conformance vectors
-through `specbatch.serving` (as `specbatch conform run --server` does), stop it, judge, and write
+through `specbatch.conformance.serving` (as `specbatch conform run --server` does), stop it, judge, and write
 the outputs and a verdict file with the machine.
 
     python benchmarks/conform_servers.py --label llama-f32-spec --out-dir docs/results/servers \
@@ -84,8 +84,8 @@ def main():
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         ap.error("give the server command after --")
-    from specbatch.machine import describe_machine
-    from specbatch.serving import ServerEngine, ServerError
+    from specbatch.cli.machine import describe_machine
+    from specbatch.conformance.serving import ServerEngine, ServerError
 
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,8 +120,8 @@ def main():
 def greedy_part(engine, a, out) -> dict:
     """Greedy vectors through the server, judged against the vectors' reference and, with
     --against, the engine's own reference run."""
-    from specbatch.conform import check_outputs, differential_reference, load_vectors, read_outputs
-    from specbatch.serving import run_vectors
+    from specbatch.conformance.greedy import check_outputs, differential_reference, load_vectors, read_outputs
+    from specbatch.conformance.serving import run_vectors
     vectors = load_vectors(a.vectors)
     start = time.perf_counter()
     rows = run_vectors(engine, vectors, concurrency=a.concurrency)
@@ -139,8 +139,8 @@ def sampled_part(engine, a, out, stop_server) -> dict:
     """Sampled vectors (or --samples/--settings of them) through the server; the server is stopped
     before the checker loads the target."""
     import specbatch
-    from specbatch.sampled import check_samples, load_sampled_vectors
-    from specbatch.serving import run_vectors
+    from specbatch.conformance.sampled import check_samples, load_sampled_vectors
+    from specbatch.conformance.serving import run_vectors
     vectors = load_sampled_vectors(a.sampled).subset(a.samples, a.settings and a.settings.split(","))
     start = time.perf_counter()
     rows = run_vectors(engine, vectors, concurrency=a.concurrency)

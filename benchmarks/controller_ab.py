@@ -40,7 +40,7 @@ def config_options(name: str) -> dict | None:
 
 def main() -> None:
     from specbatch import generate
-    from specbatch.bench import select_prompts
+    from specbatch.cli.bench import select_prompts
     from specbatch.fast.loading import load_draft, load_model
     from specbatch.prepare import encode_prompts
 

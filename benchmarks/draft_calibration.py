@@ -62,7 +62,7 @@ def drafting_trace(args):
     """Run generate with policy fixed, tracing every round: yields (target, the
     trace's path, the encoded prompts); the trace is removed afterwards."""
     from specbatch import generate
-    from specbatch.bench import select_prompts
+    from specbatch.cli.bench import select_prompts
     from specbatch.fast.loading import load_draft, load_model
     from specbatch.prepare import encode_prompts
     target, tokenizer = load_model(args.target, "float32")

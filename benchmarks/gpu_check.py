@@ -13,7 +13,7 @@ CUDA; --tiny: a few thousand, float32) and a self-draft cut from its own first l
     python benchmarks/gpu_check.py --device cuda --out gpu_check.json
     python benchmarks/gpu_check.py --device cpu --tiny          # the same steps at tiny sizes
 
-Every figure is measured in this run; the JSON records the machine (specbatch.machine).
+Every figure is measured in this run; the JSON records the machine (specbatch.cli.machine).
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def verify_widths(target, device, widths, new_tokens: int) -> dict:
     """Seconds per verify forward at batch 1 with every proposal accepted (a draft that never
     deviates from the target's greedy tokens), per verify width (proposals + 1)."""
     import specbatch
-    from specbatch.fast.drafts import ScriptedDraft
+    from specbatch.fast.drafts.scripted import ScriptedDraft
     never = lambda index, token: np.zeros(np.shape(index), dtype=bool)  # noqa: E731
     prompt = prompts_for(1, target.config.vocab_size, 99)
     out = {}
@@ -144,7 +144,7 @@ def tests_line(path) -> str:
 
 def main() -> None:
     from specbatch.fast.loading import truncated_draft
-    from specbatch.machine import describe_machine
+    from specbatch.cli.machine import describe_machine
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (a check of the script itself, e.g. on a CPU)")

@@ -5,7 +5,7 @@ lookup-first draft then proposes the lookup's token wherever 2+ tokens match, wi
 writes a round trace, and for every proposal of confidence >= 0.99 whose earlier proposals were all
 accepted finds the longest n (up to 8) for which the row's last n tokens occurred earlier in its
 text, and whether every earlier occurrence was followed by the same token. --head also runs the
-feature head from scratch on the target's features (fast.feature_draft) at each such proposal and
+feature head from scratch on the target's features (fast.drafts.feature_draft) at each such proposal and
 splits the table by whether the head's own greedy token is the lookup's.
 
     python benchmarks/lookup_acceptance.py --target smollm2 --draft smollm2-head+lookup \

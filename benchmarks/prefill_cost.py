@@ -23,16 +23,16 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from specbatch.bench import select_prompts
+    from specbatch.cli.bench import select_prompts
     from specbatch.prepare import encode_prompts
-    from specbatch.fast import prefill
-    from specbatch.fast.attention import engine_attention
+    from specbatch.fast.compute import prefill
+    from specbatch.fast.compute.attention import engine_attention
     from specbatch.fast.engine import Settings
-    from specbatch.fast.kernels import prepacked_linears
+    from specbatch.fast.compute.kernels import prepacked_linears
     from specbatch.fast.loading import load_model
     from specbatch.fast.models import ModelRunner, mask_fill_value
-    from specbatch.fast.slot_cache import SlotCache
-    from specbatch.fast.slot_forward import ragged_inputs
+    from specbatch.fast.compute.slot_cache import SlotCache
+    from specbatch.fast.compute.slot_forward import ragged_inputs
 
     model, tokenizer = load_model(args.target, args.dtype)
     prompts = select_prompts(args.prompts, args.per_category)

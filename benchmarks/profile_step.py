@@ -30,7 +30,7 @@ CATEGORIES = {  # operator name -> part of the step
 
 
 def load_ids(args):
-    from specbatch.bench import select_prompts
+    from specbatch.cli.bench import select_prompts
     from specbatch.prepare import encode_prompts
     from specbatch.fast.loading import load_model
     model, tokenizer = load_model(args.target, args.dtype)

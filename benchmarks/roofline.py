@@ -10,7 +10,7 @@ Measures, in one run:
   (total - prefill) / new tokens per row, at batch 1 and 13, and its ratio to the products alone.
 Every product figure is the fastest of its repeats (a machine only slows a pass down); the engine's
 step is the median of its runs. A calibration before and after says whether the run may be quoted
-(specbatch.calibration).
+(specbatch.cli.calibration).
 
     python benchmarks/roofline.py --out docs/results/roofline [--rows 1,2,4,8,13,16,32,52,64] [--no-engine]
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specbatch import calibration
-from specbatch.machine import describe_machine
+from specbatch.cli import calibration
+from specbatch.cli.machine import describe_machine
 
 
 def bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
@@ -51,7 +51,7 @@ def per_op_us(repeats: int = 2000) -> dict:
         out["add"] = 1e6 * statistics.median(_timed(lambda: [a + a for _ in range(100)]) for _ in range(repeats // 100)) / 100
         out["linear"] = 1e6 * statistics.median(_timed(lambda: [F.linear(a, w) for _ in range(100)])
                                                 for _ in range(repeats // 100)) / 100
-        from specbatch.fast.kernels import available
+        from specbatch.fast.compute.kernels import available
         if available():
             packed = torch.ops.mkldnn._reorder_linear_weight(w)
             out["prepacked_linear"] = 1e6 * statistics.median(_timed(lambda: [torch.ops.mkldnn._linear_pointwise(
@@ -60,7 +60,7 @@ def per_op_us(repeats: int = 2000) -> dict:
 
 
 def prepacked_step(weights, rows: int, repeats: int = 7) -> float | None:
-    from specbatch.fast.kernels import available
+    from specbatch.fast.compute.kernels import available
     if not available():
         return None
     packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
@@ -94,7 +94,7 @@ def engine_steps(batches, new_tokens: int, repeats: int) -> list[dict]:
     """specbatch's target-only decode step on SmolLM2 (ragged, float32) at each batch size: the
     first `batch` of the 13 shipped prompts, chat template, `new_tokens` new tokens, EOS off."""
     import specbatch
-    from specbatch.bench import SHIPPED_PROMPTS, select_prompts
+    from specbatch.cli.bench import SHIPPED_PROMPTS, select_prompts
     from specbatch.prepare import encode_prompts
     target, _, tokenizer = specbatch.load("smollm2")
     ids = encode_prompts([t for _, t in select_prompts(SHIPPED_PROMPTS)], tokenizer, True)

@@ -2,13 +2,13 @@
 
     python benchmarks/sampled_power.py --out docs/results/sampled-power [--runs 100] [--null-runs 200]
 
-Engines (specbatch.sampling_engines) on the toy pair of specbatch.testing.toy_sampling_pair (a
+Engines (specbatch.conformance.sampling_engines) on the toy pair of specbatch.conformance.testing.toy_sampling_pair (a
 tiny two-token-context model and a noisy copy as its draft; logits offset to about 24, as in real
 models): exact target-only sampling and correct speculative sampling (the null), then each named
 bug; the processor bugs (PROCESSOR_BUGS) and their own null runs on the processor vectors
 (sampled_vectors(processors=True)). draft-bf16-logits is also run on a pair whose logits sit near 100 (bfloat16's step there is
 0.5), to show how its power grows with the rounding it causes. Each run draws its own vectors
-(prompts and row seeds); the checker is specbatch.sampled.check_samples at alpha 0.001.
+(prompts and row seeds); the checker is specbatch.conformance.sampled.check_samples at alpha 0.001.
 Writes power.json (every run's p-value and verdict, and the machine) and power.md (the table).
 """
 import argparse
@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from specbatch.machine import describe_machine
-from specbatch.sampled import ALPHA
-from specbatch.sampling_engines import BUGS, PROCESSOR_BUGS, sampling_engine
-from specbatch.testing import sampled_power, toy_sampling_pair
+from specbatch.cli.machine import describe_machine
+from specbatch.conformance.sampled import ALPHA
+from specbatch.conformance.sampling_engines import BUGS, PROCESSOR_BUGS, sampling_engine
+from specbatch.conformance.testing import sampled_power, toy_sampling_pair
 
 
 def main():
@@ -75,7 +75,7 @@ def write(out: Path, command: str, machine: dict, results: list) -> None:
              "Default vectors (6 settings x 2 requests x 512 samples of 8 tokens); each run draws its own prompts "
              "and seeds. Processor vectors (sampled_vectors(processors=True)): 6 settings with repetition, presence and "
              "frequency penalties, min_p, a logit bias and min_tokens, on prompts whose greedy continuation repeats "
-             "itself early. Toy pair: specbatch.testing.toy_sampling_pair() (logits near 24).", "",
+             "itself early. Toy pair: specbatch.conformance.testing.toy_sampling_pair() (logits near 24).", "",
              "| engine | what it does wrong | vectors | runs | rejected | median p-value | largest p-value |",
              "|---|---|---|---:|---:|---:|---:|"]
     for r in results:

@@ -5,14 +5,14 @@ probability 0.99, at one position and at every position, measured by simulation.
     python benchmarks/sampled_sensitivity.py --out ... --sizes 2048 --places 'first position,every position' --screen 6 \
         --runs 30 --resume  # add a size
 
-An engine of target-only sampling on the toy pair (specbatch.testing.toy_sampling_pair) with a
-planted deviation (specbatch.sampling_engines.planted_engine): at the planted positions, mass
+An engine of target-only sampling on the toy pair (specbatch.conformance.testing.toy_sampling_pair) with a
+planted deviation (specbatch.conformance.sampling_engines.planted_engine): at the planted positions, mass
 min(tv, P(top)) moves from the most likely token to the runner-up, so the deviation's
 total-variation distance is known token by token. Three places: the first new token, the last
 (the 8th), and every position. Per size (samples per request) and place, a bisection over LEVELS
 screens a level with --screen runs; the lowest level rejected in every screened run is confirmed
 with --runs runs, moving up a level until at least 99% of them are rejected. Each run draws its
-own vectors (prompts and row seeds); the checker is specbatch.sampled.check_samples at alpha 0.001.
+own vectors (prompts and row seeds); the checker is specbatch.conformance.sampled.check_samples at alpha 0.001.
 Writes sensitivity.json (every level tried) and sensitivity.md (the table).
 """
 import argparse
@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from specbatch.machine import describe_machine
-from specbatch.sampled import ALPHA
-from specbatch.sampling_engines import planted_engine
-from specbatch.testing import sampled_power, toy_sampling_pair
+from specbatch.cli.machine import describe_machine
+from specbatch.conformance.sampled import ALPHA
+from specbatch.conformance.sampling_engines import planted_engine
+from specbatch.conformance.testing import sampled_power, toy_sampling_pair
 
 LEVELS = (0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 PLACES = {"first position": {0}, "last position": {7}, "every position": None}
@@ -97,9 +97,9 @@ def write(out: Path, command: str, machine: dict, results: list) -> None:
     lines = ["# Sampled checker: the smallest deviation detected with probability 0.99", "",
              f"Command: `{command}`", f"Machine: {machine['summary']}", "",
              "Planted deviation: at the planted positions, mass moves from the most likely token to the runner-up "
-             "(specbatch.sampling_engines.planted_engine); its mean total-variation distance per planted token is "
+             "(specbatch.conformance.sampling_engines.planted_engine); its mean total-variation distance per planted token is "
              "measured. 6 settings x 2 requests x SAMPLES samples of 8 tokens; toy pair "
-             "specbatch.testing.toy_sampling_pair(); alpha 0.001.", "",
+             "specbatch.conformance.testing.toy_sampling_pair(); alpha 0.001.", "",
              "| samples per request | deviation at | detected in >= 99% of runs: mean TV per planted token | runs "
              "rejected | the level below: mean TV, rejected |", "|---:|---|---:|---:|---|"]
     for r in results:

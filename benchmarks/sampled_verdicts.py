@@ -4,7 +4,7 @@
         --engines specbatch-rejection,specbatch-coupled,transformers-sample,transformers-assisted \
         [--samples-for transformers-assisted=64] [--outputs vllm-target-only=vllm.jsonl ...] --out DIR
 
-Engines run in this process (specbatch.testing adapters, batch size --batch-size); --outputs adds
+Engines run in this process (specbatch.conformance.testing adapters, batch size --batch-size); --outputs adds
 engines run elsewhere (benchmarks/conform_vllm.py) by their outputs file. --samples-for ENGINE=N
 runs that engine on the first N samples of each request only (for engines too slow for the full
 size; the checker then judges those rows). Writes verdicts.json (per engine: rows, seconds of the
@@ -18,10 +18,10 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from specbatch.machine import describe_machine
+from specbatch.cli.machine import describe_machine
 from specbatch.prepare import load
-from specbatch.sampled import SampledVectors, check_samples, load_sampled_vectors, read_sampled_outputs
-from specbatch.testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
+from specbatch.conformance.sampled import SampledVectors, check_samples, load_sampled_vectors, read_sampled_outputs
+from specbatch.conformance.testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
 
 
 def main():
@@ -43,7 +43,7 @@ def main():
     target, draft, _ = load(a.target, a.draft, dtype=vectors.manifest["dtype"])
     smaller = dict(item.split("=") for item in a.samples_for)
     only = {name: names.split(",") for name, names in (item.split("=") for item in a.settings_for)}
-    # transformers assists only with a plain Hugging Face model: a reduced-head draft (fast.reduced_head)
+    # transformers assists only with a plain Hugging Face model: a reduced-head draft (fast.drafts.reduced_head)
     # lends it the model it wraps (the same weights with the whole head)
     assistant = draft if isinstance(draft, PreTrainedModel) else draft.model
     make = {"specbatch-rejection": lambda: specbatch_sampling_engine(target, draft, "rejection"),

@@ -52,7 +52,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    from specbatch.machine import describe_machine
+    from specbatch.cli.machine import describe_machine
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,7 +8,7 @@ the tokens it verifies at this batch size (the draft's own cost is not counted).
     python benchmarks/verify_width.py --target smollm2 --prompts question.jsonl --per-category 1 \
         --chat-template [--batch-size 13] [--ks 0,1,2,3,4,6] [--padding both]
 
---padding both runs every width twice in a row, with two rows padded to three (fast.kernels.PADDED_ROWS
+--padding both runs every width twice in a row, with two rows padded to three (fast.compute.kernels.PADDED_ROWS
 on AVX-512 CPUs) and without, to measure what the padding buys on this CPU.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 
 def main() -> None:
     from specbatch import generate
-    from specbatch.bench import select_prompts
-    from specbatch.fast.drafts import ScriptedDraft
+    from specbatch.cli.bench import select_prompts
+    from specbatch.fast.drafts.scripted import ScriptedDraft
     from specbatch.fast.loading import load_model
     from specbatch.prepare import encode_prompts
 
@@ -34,10 +34,10 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=49)
     p.add_argument("--ks", default="0,1,2,3,4,6")
     p.add_argument("--padding", choices=["machine", "on", "off", "both"], default="machine",
-                   help="fast.kernels.PADDED_ROWS as this CPU has it (machine), two rows padded to three as on "
+                   help="fast.compute.kernels.PADDED_ROWS as this CPU has it (machine), two rows padded to three as on "
                         "AVX-512 CPUs (on), no padding (off), or each width with both")
     args = p.parse_args()
-    from specbatch.fast import kernels
+    from specbatch.fast.compute import kernels
     padded_rows = kernels.padded_rows_for("AVX512")
     settings = {"machine": [None], "on": [True], "off": [False], "both": [True, False]}[args.padding]
     machine = dict(kernels.PADDED_ROWS)

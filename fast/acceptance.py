@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .cache import gather_cache, rect_inputs
+from .compute.cache import gather_cache, rect_inputs
 from .models import ModelRunner, mask_fill_value
 
 

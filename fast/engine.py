@@ -11,8 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from ..invariants import check_kv, check_mask, check_positions
-from .backend import CHOICES, Backend
-from .cache import layout_index, rect_inputs
+from .compute.backend import CHOICES, Backend
+from .compute.cache import layout_index, rect_inputs
 from .models import ModelRunner
 from .observer import Observer
 from .policy import RoundInfo, RoundOutcome
@@ -64,7 +64,7 @@ class Settings:
     processors: object = None  # fast.processors.LogitProcessors (None: no penalties, bias, min_tokens or stops)
     arrivals: Arrivals | None = None  # when requests become available (None: all at once)
     policy: object = None  # fast.policy: FixedK, Threshold or Goodput (None: every row drafts its limit)
-    backend: Backend = field(default_factory=lambda: CHOICES["cpu"])  # the device's speed choices (fast.backend)
+    backend: Backend = field(default_factory=lambda: CHOICES["cpu"])  # the device's speed choices (fast.compute.backend)
 
     @property
     def reads_confidence(self) -> bool:
@@ -191,7 +191,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     the policy, fast.policy) to each row.
 
     step_forward(step, ids, needed) -> the draft's logits [R, V] at each row's last query (or
-    SubsetLogits, fast.reduced_head); ids is None at step 0 (the engine feeds each row's pending
+    SubsetLogits, fast.drafts.reduced_head); ids is None at step 0 (the engine feeds each row's pending
     tokens), then the previous proposals [R, 1]; needed [R] (host bools): the rows whose logits
     this step are read, the model rows still drafting (a draft whose rows are independent computes
     only those; every other row's logits are never read, since a row that stops drafting never
@@ -199,8 +199,8 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     remaining - 1). Drafting stops as soon as no row goes on. remaining (each row's tokens left) and
     waiting (whether requests wait for a slot) tell the policy what a token is worth.
 
-    lookup_step(step, ids) -> fast.lookup_draft.LookupStep, for a lookup-first draft
-    (fast.lookup_draft.LookupFirstDraft): its prompt lookup over each row's content and proposals so
+    lookup_step(step, ids) -> fast.drafts.lookup_draft.LookupStep, for a lookup-first draft
+    (fast.drafts.lookup_draft.LookupFirstDraft): its prompt lookup over each row's content and proposals so
     far (a proposal where an n-gram of at least its min_match tokens matched). A row whose lookup
     matches at step 0 is a lookup row: it drafts this round by lookup alone and stops where the
     chain of matches breaks (a function of its own content, like any draft). The model then runs
@@ -310,7 +310,7 @@ def check_cache_row(runner, layer_kv, row: int, content: list[int], first_slot: 
                     name: str, features=None) -> list:
     """I3 for one row: layer_kv(layer) -> (keys, values) [S, H, D] of the row's slots; slots
     first_slot.. must hold the K/V of content[0..] exactly as a fresh unpadded prefill computes them
-    (a feature draft's prefill reads `features` [1, len(content), H], fast.feature_draft)."""
+    (a feature draft's prefill reads `features` [1, len(content), H], fast.drafts.feature_draft)."""
     if not content:
         return []
     fresh = fresh_kv(runner, content, settings, features)

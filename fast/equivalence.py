@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .cache import rect_inputs
+from .compute.cache import rect_inputs
 from .models import ModelRunner, mask_fill_value
 
 TIE_ULPS = {torch.float64: 4096, torch.float32: 512, torch.bfloat16: 4, torch.float16: 4}

@@ -262,7 +262,7 @@ def truncated_draft(target, num_layers: int = 2):
 def feature_draft(folder: Path, target):
     """The feature draft saved in `folder` (training/train_feature_draft.py), on `target`'s embedding
     and head; refused when the target is not the one it was trained for (its width differs)."""
-    from .feature_draft import FeatureDraft, load_feature_net
+    from .drafts.feature_draft import FeatureDraft, load_feature_net
     if not (folder / "weights.pt").is_file():
         raise ModelLoadError(f"{folder} holds no feature draft (weights.pt is missing)")
     net, tokens = load_feature_net(folder)
@@ -277,7 +277,7 @@ def conditioned_draft(folder: Path, target, dtype, device):
     projection: training/train_conditioned_draft.py)."""
     import json
 
-    from .reduced_head import ReducedHeadDraft
+    from .drafts.reduced_head import ReducedHeadDraft
     if not (folder / "model.safetensors").is_file() or not (folder / "feature_projection.pt").is_file():
         raise ModelLoadError(f"{folder} holds no conditioned draft (model.safetensors or feature_projection.pt "
                              "is missing)")
@@ -299,7 +299,7 @@ class DraftKind:
 
 
 def _lookup(argument, target, dtype, device):
-    from .lookup_draft import PromptLookupDraft
+    from .drafts.lookup_draft import PromptLookupDraft
     from .models import vocab_size
     return PromptLookupDraft(vocab_size(target), device=device, generation_config=target.generation_config)
 
@@ -340,7 +340,7 @@ def _distilled(name: str, full_head: bool):
         if not full_head and tokens.is_file():
             import json
 
-            from .reduced_head import ReducedHeadDraft
+            from .drafts.reduced_head import ReducedHeadDraft
             model = ReducedHeadDraft(model, json.loads(tokens.read_text()))
         return model
     return build
@@ -375,7 +375,7 @@ def load_draft(spec: str | None, target, dtype: str | torch.dtype = "float32", d
     """(draft or None, its tokenizer or None) for a draft spec: "none", a name of DRAFT_KINDS ("lookup",
     "truncated:N", "smollm2-draft", "smollm2-head", "feature:DIR", ...: docs/drafts.md), any model
     `load_model` takes, and any of these + "+lookup" (prompt lookup in front)."""
-    from .lookup_draft import LookupFirstDraft, PromptLookupDraft
+    from .drafts.lookup_draft import LookupFirstDraft, PromptLookupDraft
     if spec in (None, "none"):
         return None, None
     if spec.endswith("+lookup"):

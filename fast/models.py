@@ -20,7 +20,7 @@ class DraftAbilities:
     """What a draft declares it can do, read once (`abilities_of`): the engine consults this, never
     a draft's class. A draft declares an ability as an attribute of the same name; absent is no."""
 
-    reads_features: bool = False  # reads the target's features of its content (fast.feature_draft): ragged only
+    reads_features: bool = False  # reads the target's features of its content (fast.drafts.feature_draft): ragged only
     returns_subset: bool = False  # forward(subset_logits=True) returns logits over its own token subset
     computes_row_subset: bool = False  # forward(rows=...) computes only those rows (rows independent, no K/V)
     prompt_lookup: object = None  # a lookup-first draft's own lookup (min_match, max_ngram) that the engine
@@ -38,13 +38,13 @@ class ModelRunner:
     """Calls one model with input ids, explicit position ids, a 4D additive mask and a cache.
 
     Counts the token positions it processes (the work counters in the stats). kv_lens, when given,
-    is each row's visible length (host integers): fast.attention then reads each group of rows of
+    is each row's visible length (host integers): fast.compute.attention then reads each group of rows of
     similar length only up to its own longest row."""
 
     def __init__(self, model, lean: bool = False):
-        """lean: run a Llama model (fast.lean_llama.supported) through LeanCausalLM, the same function
+        """lean: run a Llama model (fast.compute.lean_llama.supported) through LeanCausalLM, the same function
         with fused projections and fewer operations per layer; other models run as they are."""
-        from .lean_llama import LeanCausalLM, supported
+        from .compute.lean_llama import LeanCausalLM, supported
         self.model = model
         self.lean = LeanCausalLM.of(model) if lean and supported(model) else None
         self.cache_kw = "cache" if self.lean is not None else cache_argument(model)
@@ -58,11 +58,11 @@ class ModelRunner:
 
     def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False, kv_lens=None, flat=None,
                  features=None, **options):
-        """flat: the FlatParts of a flat forward (fast.attention.flat_plan), whose attention they define.
-        features: the target's features for a draft that reads them (fast.feature_draft); the draft's
+        """flat: the FlatParts of a flat forward (fast.compute.attention.flat_plan), whose attention they define.
+        features: the target's features for a draft that reads them (fast.drafts.feature_draft); the draft's
         own estimates of every query's feature are then kept in `last_features`. options: further
         keyword arguments of the model's forward (a draft's subset_logits, engine_lookup)."""
-        from .attention import forward_plan
+        from .compute.attention import forward_plan
         self.tokens_processed += input_ids.numel()
         kwargs = {self.cache_kw: cache, **options}
         if last_only:

@@ -3,7 +3,7 @@ get_candidates / update_candidate_strategy, or vLLM's proposers).
 
 A proposer owns what the draft keeps per slot row and nothing else: its K/V (a SlotCache), each
 row's committed tokens not yet in that cache (`pending`), and for a draft that reads the target's
-features (fast.feature_draft) the features of each row's content. The engine calls
+features (fast.drafts.feature_draft) the features of each row's content. The engine calls
 
     prefill(prompts, slots)                            newly placed requests, after the target's prefill
     propose(rows, content, remaining, requests, waiting) -> Proposals   this round's, per row
@@ -18,10 +18,10 @@ One class per kind of draft side, chosen by `proposer_for` from the draft's decl
     DraftProposer    a draft model over the slot rows (a token draft, prompt lookup alone, a
                      restricted head handing the chooser its subset's logits)
     LookupFirst      wraps either of the two for a draft that declares its own prompt lookup
-                     (fast.lookup_draft.LookupFirstDraft) under a policy that reads confidences: the
+                     (fast.drafts.lookup_draft.LookupFirstDraft) under a policy that reads confidences: the
                      engine runs that lookup over the token buffer, and rows whose lookup matches
                      draft by lookup alone
-    FeatureProposer  a draft that reads the target's features (fast.feature_draft): it also keeps
+    FeatureProposer  a draft that reads the target's features (fast.drafts.feature_draft): it also keeps
                      each row's features, and K/V made from its own feature estimates never stay
 """
 from __future__ import annotations
@@ -29,14 +29,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .attention import uses_engine_attention
+from .compute.attention import uses_engine_attention
 from .engine import Proposals, Settings, check_cache_row, draft_round
-from .feature_draft import FeatureBuffer, draft_pending_after_features
-from .lookup_draft import LookupStep, latest_match
+from .drafts.feature_draft import FeatureBuffer, draft_pending_after_features
+from .drafts.lookup_draft import LookupStep, latest_match
 from .models import vocab_size
-from .prefill import prefill_into
-from .slot_cache import SlotCache
-from .slot_forward import slot_forward, storage_dtype
+from .compute.prefill import prefill_into
+from .compute.slot_cache import SlotCache
+from .compute.slot_forward import slot_forward, storage_dtype
 from .verify import draft_pending_after
 
 
@@ -79,7 +79,7 @@ class DraftProposer:
         self.grouped = uses_engine_attention(draft.model)
         can = draft.abilities
         # the draft step's own options: a restricted head's logits stay restricted
-        # (fast.reduced_head.SubsetLogits; greedy reads them as they are)
+        # (fast.drafts.reduced_head.SubsetLogits; greedy reads them as they are)
         self.options = {}
         if can.returns_subset:
             self.options["subset_logits"] = True
@@ -153,7 +153,7 @@ class DraftProposer:
 
 
 class LookupFirst:
-    """A lookup-first draft (fast.lookup_draft.LookupFirstDraft) under a policy that reads confidences,
+    """A lookup-first draft (fast.drafts.lookup_draft.LookupFirstDraft) under a policy that reads confidences,
     around the proposer of the draft model it wraps (`model_side`, which keeps every cache): the engine
     runs the draft's prompt lookup over the token buffer, one lookup a step, in place of the draft's
     own (its step runs with engine_lookup=True); a row whose lookup matches at step 0 drafts by lookup
@@ -203,7 +203,7 @@ class LookupFirst:
 
 
 class FeatureProposer(DraftProposer):
-    """A draft that reads the target's features (fast.feature_draft): each slot row also keeps the
+    """A draft that reads the target's features (fast.drafts.feature_draft): each slot row also keeps the
     target's features of its content (written by the engine's capture during the target's prefill and
     verify), which the draft reads at every re-fed token; past the content it reads its own estimate
     from the step before, so the K/V those steps leave are never kept."""

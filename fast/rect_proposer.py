@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .cache import cache_width, gather_cache, row_views, stacked_cache
+from .compute.cache import cache_width, gather_cache, row_views, stacked_cache
 from .engine import Proposals, Settings, check_cache_row, draft_round, dynamic_layer_kv
-from .prefill import prefill_rectangle
+from .compute.prefill import prefill_rectangle
 from .verify import draft_pending_after
 
 

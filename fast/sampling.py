@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import rng
-from .reduced_head import SubsetLogits, full_logits
+from .drafts.reduced_head import SubsetLogits, full_logits
 from .verify import greedy_accept
 
 
@@ -90,7 +90,7 @@ def mode_probability(log_probs: torch.Tensor) -> torch.Tensor:
 
 class Chooser:
     """draft(logits [R, V] or SubsetLogits, requests, positions, lookup=None, use_lookup=None) ->
-    (proposals [R], q [R, V] or None, confidence [R]); with a lookup step (fast.lookup_draft.LookupStep),
+    (proposals [R], q [R, V] or None, confidence [R]); with a lookup step (fast.drafts.lookup_draft.LookupStep),
     the rows in use_lookup [R] are drafted from the lookup's logits instead of the model's;
     confidence is the probability of the draft distribution's most likely token (the proposal rule
     of fast.proposals stops a row below a threshold; it depends on the row's distribution only, never
@@ -120,7 +120,7 @@ class Chooser:
         return self.verify(logits[layout], drafted, q, limit, requests, first_position)
 
     def draft_lookup(self, step, requests, positions):
-        """draft() of a prompt lookup's step (fast.lookup_draft.LookupStep): its logits, one-hot where
+        """draft() of a prompt lookup's step (fast.drafts.lookup_draft.LookupStep): its logits, one-hot where
         a row matched and uniform elsewhere, drafted like any other."""
         return self.draft(step.logits(), requests, positions)
 

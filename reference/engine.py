@@ -298,15 +298,14 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
         found += check_round_commit(drafted[:, :width_q], choice, proposed, accepted, committed, remaining,
                                     opt.eos_ids)
     if trace_rows is not None:
-        for i, row in enumerate(rows):
-            p = int(proposed[i])
-            trace_rows.append(dict(
-                request=int(state.request[row]), prompt_len=int(state.prompt_len[row]),
-                tokens=state.content(row), pad_len=0, content_len=int(content[i]),
-                positions=seen["positions"][i][:p + 1].tolist(), mask=mask_strings(seen["allowed"][i][:p + 1]),
-                drafted=drafted[i, :p].tolist(), target_argmax=choice[i, :p + 1].tolist(), draft_limit=p,
-                cap=opt.k, limit=int(limit[i]), draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]),
-                committed=committed[i], finished=bool(hit_eos[i] or n[i] == remaining[i])))
+        trace_rows += [dict(request=int(state.request[row]), prompt_len=int(state.prompt_len[row]),
+                            tokens=state.content(row), pad_len=0, content_len=int(content[i]),
+                            **_verified_row(seen, i, int(proposed[i])), drafted=drafted[i, :proposed[i]].tolist(),
+                            target_argmax=choice[i, :proposed[i] + 1].tolist(), draft_limit=int(proposed[i]),
+                            cap=opt.k, limit=int(limit[i]), draft_confidence=confidence[i].tolist(),
+                            accepted=int(accepted[i]), committed=committed[i],
+                            finished=bool(hit_eos[i] or n[i] == remaining[i]))
+                       for i, row in enumerate(rows)]
     ragged_commit(state, rows, committed)
     state.target_pending[rows] = 1
     if k_round:  # the draft ran on the pending tokens and d_1..d_{steps-1}
@@ -315,16 +314,28 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
         state.draft_pending[rows] += n
 
     if opt.check:
-        for i, row in enumerate(rows):
-            if hit_eos[i] or n[i] == remaining[i]:
-                continue  # finished: its slot is released
-            c = int(state.content_len[row])
-            for model, name, pend in ((target, "target", 1), (draft, "draft", int(state.draft_pending[row]))):
-                if model is not None and (name == "target" or k_round):
-                    kv = [(k[row, : c - pend], v[row, : c - pend]) for k, v in caches[name]]
-                    found += check_row_kv(model, kv, state.content(row), pend, i, f"{name} cache")
+        live = [(i, row) for i, row in enumerate(rows) if not (hit_eos[i] or n[i] == remaining[i])]
+        found += _check_slot_caches(state, caches, live, target, draft if k_round else None)
         raise_if(found, round_index)
     return accepted, n, hit_eos, k_round, proposed
+
+
+def _verified_row(seen, i, p):
+    """Row i's verify queries in a trace: positions and mask of its own p + 1 queries."""
+    return dict(positions=seen["positions"][i][:p + 1].tolist(), mask=mask_strings(seen["allowed"][i][:p + 1]))
+
+
+def _check_slot_caches(state: RaggedState, caches, live, target, draft):
+    """I3 after a round for each live (i, row): the target's K/V covers content minus its one pending
+    token, the draft's (when it ran) content minus its own pending count."""
+    found = []
+    for i, row in live:
+        c = int(state.content_len[row])
+        for model, name, pend in ((target, "target", 1), (draft, "draft", int(state.draft_pending[row]))):
+            if model is not None:
+                kv = [(k[row, : c - pend], v[row, : c - pend]) for k, v in caches[name]]
+                found += check_row_kv(model, kv, state.content(row), pend, i, f"{name} cache")
+    return found
 
 
 def move_slot(state: RaggedState, caches, src: int, dst: int) -> None:

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from .fast.attention import engine_attention
-from .fast.backend import for_device, held_whole
-from .fast.kernels import compiled_blocks, prepacked_linears
+from .fast.compute.attention import engine_attention
+from .fast.compute.backend import for_device, held_whole
+from .fast.compute.kernels import compiled_blocks, prepacked_linears
 from .fast.policy import PolicySettings, make_policy
 from .fast.engine import Arrivals, Clock, GenerationResult, Settings, Stats
 from .fast.observer import observer_for
@@ -172,7 +172,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     target_runner = ModelRunner(target, lean=opts.lean and not opts.compile)
     draft_runner = ModelRunner(draft, lean=opts.lean and not opts.compile) if draft is not None else None
     leans = [r.lean for r in (target_runner, draft_runner) if r is not None and r.lean is not None]
-    whole = held_whole(target, draft)  # a tensor-parallel target keeps its sharded layers (fast.backend)
+    whole = held_whole(target, draft)  # a tensor-parallel target keeps its sharded layers (fast.compute.backend)
     backend = settings.backend
     label = progress if isinstance(progress, str) else strategy if draft is not None else "target-only"
     results = _Results(len(ids), on_result, label if progress else None)  # the clock starts here
@@ -198,7 +198,7 @@ def _check_draft(target, draft, tokenizer, draft_tokenizer, runner, strategy: st
     check_pair(target, draft, tokenizer, draft_tokenizer)
     if draft is not None and abilities_of(draft).reads_features and not runner.keeps_features:
         keeping = ", ".join(repr(name) for name, cls in STRATEGIES.items() if cls.keeps_features)
-        raise ValueError(f"the draft reads the target's features (a feature draft, fast.feature_draft); only "
+        raise ValueError(f"the draft reads the target's features (a feature draft, fast.drafts.feature_draft); only "
                          f"strategy={keeping} keeps them, got strategy={strategy!r}")
 
 

@@ -65,7 +65,7 @@ class GenerateOptions:
     device: str = _option("cpu", "device the models are loaded on: cpu, cuda, cuda:1, ...")
     prepack: bool = _option(True, "CPU linear layers on oneDNN-prepacked weights (float32/bfloat16)")
     compile: bool = _option(False, "torch.compile the MLP blocks and norms (inductor)")
-    lean: bool = _option(True, "run Llama-architecture models through fast.lean_llama (fused q/k/v and gate/up "
+    lean: bool = _option(True, "run Llama-architecture models through fast.compute.lean_llama (fused q/k/v and gate/up "
                                "products, fused norms: fewer operations per layer); other models run as they are")
     max_wait: int = _option(4, "exspec: rounds a row may wait for a same-length group")
     pool_window: int | None = _option(None, "exspec: rows the pool looks at (None: 4 x batch_size)")

@@ -75,7 +75,7 @@ def folders(tmp_path_factory):
 def greedy_vectors(tmp_path_factory):
     """Conformance vectors for tiny("llama") (float64), made once per session: a folder."""
     from hf_models import tiny
-    from specbatch.conform import make_vectors
+    from specbatch.conformance.greedy import make_vectors
     folder = tmp_path_factory.mktemp("vectors")
     make_vectors(tiny("llama"), folder, max_context=120)
     return folder

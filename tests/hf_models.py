@@ -79,7 +79,7 @@ def assert_ties_only(target, prompts, strategy):
     decoding of the same model in its own dtype, except at floating-point ties (fast.equivalence),
     at all but two prompts at most: the half-precision check."""
     import specbatch
-    from specbatch.fast.drafts import ScriptedDraft
+    from specbatch.fast.drafts.scripted import ScriptedDraft
     from specbatch.fast.equivalence import compare
     from specbatch.reference import deviate_hashed
     reference = specbatch.generate(target, None, prompts, max_new_tokens=10, batch_size=1, strategy="ragged")

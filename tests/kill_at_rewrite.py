@@ -7,7 +7,7 @@ import signal
 import sys
 
 import specbatch.io
-from specbatch.cli import main
+from specbatch.cli.commands import main
 
 original = specbatch.io.replace_atomically
 

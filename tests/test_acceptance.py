@@ -5,7 +5,7 @@ import torch
 import specbatch
 from hf_models import VOCAB, tiny
 from specbatch.fast.acceptance import simulate_rounds
-from specbatch.fast.lookup_draft import LookupFirstDraft
+from specbatch.fast.drafts.lookup_draft import LookupFirstDraft
 
 
 @pytest.mark.parametrize("lookup, threshold, floor", [(False, 0.0, 0.0), (True, 0.0, 0.0), (False, 0.3, 0.3),

@@ -1,4 +1,4 @@
-"""fast.backend: the speed choices by device, and the engine under an accelerator's choices (one
+"""fast.compute.backend: the speed choices by device, and the engine under an accelerator's choices (one
 fused SDPA call over every row of the ragged layout, no prepacked linears, K/V in the model's
 dtype), run on the test device: exact against transformers' greedy decoding, every strategy and
 draft kind, and equal to target-only decoding in bfloat16 and float16 up to ties."""
@@ -8,10 +8,10 @@ import torch
 
 import specbatch
 from hf_models import EOS, FIXED_K, VOCAB, assert_ties_only, oracle, tiny
-from specbatch.fast import attention, kernels
-from specbatch.fast.backend import CHOICES, for_device
-from specbatch.fast.drafts import ScriptedDraft
-from specbatch.fast.lookup_draft import LookupFirstDraft
+from specbatch.fast.compute import attention, kernels
+from specbatch.fast.compute.backend import CHOICES, for_device
+from specbatch.fast.drafts.scripted import ScriptedDraft
+from specbatch.fast.drafts.lookup_draft import LookupFirstDraft
 from specbatch.reference import deviate_hashed
 from profiles import grid
 
@@ -78,7 +78,7 @@ def test_prepacked_linears_and_wide_kv_only_where_the_backend_wants_them(monkeyp
     assert bool(packed) == (backend == "cpu" and kernels.available())
     from specbatch.fast.engine import Settings
     from specbatch.fast.models import ModelRunner
-    from specbatch.fast.slot_forward import storage_dtype
+    from specbatch.fast.compute.slot_forward import storage_dtype
     half = tiny("llama", dtype=torch.bfloat16)
     settings = Settings(k=0, eos_ids=(), window=None, dtype=torch.bfloat16, device=half.device, fill=-1e4,
                         backend=CHOICES[backend])

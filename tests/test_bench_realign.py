@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specbatch.fast.cache import gather_cache
+from specbatch.fast.compute.cache import gather_cache
 from specbatch.reference import realign_source
 
 LAYERS, HEADS, DIM = 4, 3, 64  # a small model's cache shape; bytes scale linearly with each

@@ -1,7 +1,7 @@
 """Whether a timing may be quoted: the calibration before and after, and the load average."""
 import json
 
-from specbatch import calibration
+from specbatch.cli import calibration
 
 
 def figure(ms, load=0.5, cores=2):
@@ -34,7 +34,7 @@ def test_calibrate_times_the_fixed_products_and_reads_the_load():
 
 
 def test_bench_records_both_calibrations_and_says_whether_it_may_be_quoted(folders, prompt_file, tmp_path):
-    from specbatch.cli import main
+    from specbatch.cli.commands import main
     out = tmp_path / "b"
     assert main(["bench", "--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompt_file),
                  "--dtype", "float64", "--max-new-tokens", "3", "--batch-sizes", "1", "--methods", "ar",

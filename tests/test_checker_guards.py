@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from specbatch.cli import main
-from specbatch.conform import check_outputs, load_vectors
-from specbatch.testing import ConformanceError, check_engine
+from specbatch.cli.commands import main
+from specbatch.conformance.greedy import check_outputs, load_vectors
+from specbatch.conformance.testing import ConformanceError, check_engine
 
 
 def replay_engine(vectors, tamper=None):
@@ -236,7 +236,7 @@ def test_per_request_statistics_equal_the_trace_under_pooling(tmp_path, strategy
 
     import specbatch
     from hf_models import EOS, FIXED_K, tiny
-    from specbatch.fast.drafts import ScriptedDraft
+    from specbatch.fast.drafts.scripted import ScriptedDraft
     from specbatch.reference import deviate_hashed
     target = tiny("llama")
     rnd = random.Random(0)
@@ -270,8 +270,8 @@ def small_case():
     the most likely path (a, b), rows 28-29 stop at EOS, rows 30-31 take (c, d), two unlikely tokens."""
     import torch
 
-    from specbatch.sampled import reference_probs, sampled_vectors
-    from specbatch.testing import toy_sampling_pair
+    from specbatch.conformance.sampled import reference_probs, sampled_vectors
+    from specbatch.conformance.testing import toy_sampling_pair
     target, _ = toy_sampling_pair()
     setting = dict(name="t1", temperature=1.0, top_k=None, top_p=None)
     vectors = sampled_vectors(target, samples=32, requests_per_setting=1, max_new_tokens=2, settings=[setting], seed=4)
@@ -293,7 +293,7 @@ def small_case():
 
 
 def test_the_tree_part_tests_the_nodes_of_25_or_more_rows_with_cochran_cells(small_case):
-    from specbatch.sampled import _cells, check_samples
+    from specbatch.conformance.sampled import _cells, check_samples
     target, vectors, outputs, probs, (a, b, c, d, eos) = small_case
     report = check_samples(vectors, outputs, target)
     (s,) = report.settings
@@ -311,7 +311,7 @@ def test_the_tree_part_tests_the_nodes_of_25_or_more_rows_with_cochran_cells(sma
 
 
 def test_the_rank_part_sees_every_token_outside_the_tested_nodes(small_case):
-    from specbatch.sampled import check_samples
+    from specbatch.conformance.sampled import check_samples
     target, vectors, outputs, _, _ = small_case
     (s,) = check_samples(vectors, outputs, target).settings
     assert s["rank_tokens"] == 2  # the second tokens of rows 30-31 (a node of 2 rows)
@@ -320,7 +320,7 @@ def test_the_rank_part_sees_every_token_outside_the_tested_nodes(small_case):
         o["token_ids"] = few[30]["token_ids"]
     (s,) = check_samples(vectors, few, target).settings
     assert (s["nodes"], s["rank_tokens"], s["tokens"]) == (1, 8 + 22, 62)  # only the root is tested
-    from specbatch.sampled import sampled_vectors
+    from specbatch.conformance.sampled import sampled_vectors
     small = sampled_vectors(target, samples=8, requests_per_setting=2, max_new_tokens=2, settings=vectors.settings(),
                             seed=4)  # nodes of 8 rows: every token, at every position, goes to the rank part
     rows = [dict(id=r["id"], token_ids=outputs[i % 28]["token_ids"]) for i, r in enumerate(small.rows)]
@@ -329,7 +329,7 @@ def test_the_rank_part_sees_every_token_outside_the_tested_nodes(small_case):
 
 
 def test_cochran_cells_merge_the_rest_only_when_it_is_small():
-    from specbatch.sampled import _cells
+    from specbatch.conformance.sampled import _cells
     import numpy as np
     assert _cells(np.array([0.5, 0.3, 0.15, 0.05]), 100) == ([0, 1, 2], [0.5, 0.3, 0.15])  # rest 0: merged
     assert _cells(np.array([0.5, 0.3, 0.1, 0.04, 0.03, 0.03]), 100) == ([0, 1, 2], [0.5, 0.3, 0.1])  # rest 10: own cell
@@ -337,7 +337,7 @@ def test_cochran_cells_merge_the_rest_only_when_it_is_small():
 
 
 def test_independence_counts_every_pair_early_stops_included_with_its_exact_tail(small_case):
-    from specbatch.sampled import check_samples, poisson_binomial_sf
+    from specbatch.conformance.sampled import check_samples, poisson_binomial_sf
     target, vectors, outputs, probs, (a, b, c, d, eos) = small_case
     report = check_samples(vectors, outputs, target)
     twins, slots = report.independence
@@ -355,7 +355,7 @@ def test_independence_counts_every_pair_early_stops_included_with_its_exact_tail
 def test_the_position_bound_uses_the_dkw_margin_of_its_own_token_count(small_case):
     import math
 
-    from specbatch.sampled import ALPHA, check_samples, dkw_margin, tv_lower_bound
+    from specbatch.conformance.sampled import ALPHA, check_samples, dkw_margin, tv_lower_bound
     target, vectors, outputs, _, _ = small_case
     report = check_samples(vectors, outputs, target)
     assert [(p["position"], p["tokens"]) for p in report.positions] == [(0, 32), (1, 30)]
@@ -371,9 +371,9 @@ def test_a_planted_deviation_moves_the_stated_mass_and_nothing_else():
     """planted_engine: with tv 0 it is target-only sampling token for token; with tv 0.2 at the first
     position only, each planted token's TV distance is min(0.2, P(top)) and positions past it are
     drawn as target-only sampling draws them given the same first token."""
-    from specbatch.sampled import sampled_vectors
-    from specbatch.sampling_engines import planted_engine, sampling_engine
-    from specbatch.testing import toy_sampling_pair
+    from specbatch.conformance.sampled import sampled_vectors
+    from specbatch.conformance.sampling_engines import planted_engine, sampling_engine
+    from specbatch.conformance.testing import toy_sampling_pair
     target, _ = toy_sampling_pair()
     v = sampled_vectors(target, samples=8, seed=2)
     s = v.settings()[0]

@@ -10,7 +10,7 @@ import torch
 import specbatch
 import specbatch.io
 from hf_models import EOS, PROMPTS, VOCAB, WORDS, hf_greedy, save_folder, tiny
-from specbatch.cli import main
+from specbatch.cli.commands import main
 
 def args(folders, prompt_file, *extra):
     return ["--target", folders["target"], "--draft", folders["draft"], "--prompts", str(prompt_file),
@@ -115,8 +115,8 @@ def test_bench_writes_table_json_and_plots(folders, prompt_file, tmp_path):
     assert [r["method"] for r in data["arrivals"]] == ["ar", "eqspec", "exspec", "ragged"]
     assert all(0 < r["p50"] <= r["p90"] <= r["p99"] for r in data["arrivals"])
     assert (out / "throughput.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
-    from specbatch.bench import report_markdown
-    from specbatch.machine import cpu_info
+    from specbatch.cli.bench import report_markdown
+    from specbatch.cli.machine import cpu_info
     assert (out / "bench.md").read_text() == report_markdown(data)  # the table is generated from the JSON
     assert data["machine"]["cpu_model"] == cpu_info()["model"] and data["machine"]["threads"] >= 1
     assert data["setup"]["command"].startswith("specbatch bench --target ") and "--arrival-rate 50" in \
@@ -125,8 +125,8 @@ def test_bench_writes_table_json_and_plots(folders, prompt_file, tmp_path):
 
 def test_bench_runs_the_shipped_prompts_without_a_prompt_file():
     """The default `bench` needs nothing outside the repository: 13 prompts, one per category."""
-    from specbatch.bench import SHIPPED_PROMPTS, prompt_categories, select_prompts
-    from specbatch.cli import build_parser
+    from specbatch.cli.bench import SHIPPED_PROMPTS, prompt_categories, select_prompts
+    from specbatch.cli.commands import build_parser
     assert build_parser().parse_args(["bench", "--target", "t"]).prompts is None
     prompts = select_prompts(SHIPPED_PROMPTS, 1)
     assert len(prompts) == 13 and len(set(prompt_categories(SHIPPED_PROMPTS))) == 13
@@ -242,7 +242,7 @@ def test_bad_draft_forms_are_one_line_errors(folders, prompt_file, capsys, draft
 def test_a_peer_that_ran_one_request_at_a_time_is_compared_at_batch_1():
     """bench's table of other engines: a peer whose header says max_num_seqs N is set beside
     specbatch's rows at batch N (when measured), any other peer beside the fastest rows."""
-    from specbatch.bench import peer_table
+    from specbatch.cli.bench import peer_table
     ours = [dict(method="ar", batch=1, tokens_per_second=20.0), dict(method="ragged", batch=1, tokens_per_second=30.0),
             dict(method="ar", batch=13, tokens_per_second=100.0),
             dict(method="ragged", batch=13, tokens_per_second=110.0)]

@@ -1,4 +1,4 @@
-"""Conformance vectors, the output checker, specbatch.testing and its pytest plugin, on tiny models
+"""Conformance vectors, the output checker, specbatch.conformance.testing and its pytest plugin, on tiny models
 made here: specbatch's strategies and transformers' assisted generation conform, the broken
 variants are flagged with a shrunk counterexample, and the checker's verdicts are exact."""
 import json
@@ -9,11 +9,11 @@ import pytest
 
 from hf_models import tiny
 from profiles import examples, only_full
-from specbatch.cli import main
-from specbatch.conform import CLASSES, check_outputs, load_vectors, make_vectors
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.cli.commands import main
+from specbatch.conformance.greedy import CLASSES, check_outputs, load_vectors, make_vectors
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.reference import deviate_hashed
-from specbatch.testing import (ConformanceError, broken_engine, check_engine, cut_at_stop, find_counterexample,
+from specbatch.conformance.testing import (ConformanceError, broken_engine, check_engine, cut_at_stop, find_counterexample,
                                hf_assisted_engine, padded_batch_engine, reference_outputs, run_vectors,
                                specbatch_engine)
 
@@ -169,7 +169,7 @@ def test_cut_at_stop_keeps_the_first_eos_and_the_budget():
 
 
 def test_a_counterexample_names_what_the_engine_returned():
-    from specbatch.testing import Counterexample
+    from specbatch.conformance.testing import Counterexample
     code = Counterexample([[3, 4]], [2], 1, [7], expected=[[11, 12]], got=[[11, 13]]).as_pytest("engine")
     assert "expected = [[11, 12]]" in code and "the engine returned [[11, 13]]" in code
 
@@ -180,7 +180,7 @@ def test_the_pytest_plugin_gives_the_fixtures(tmp_path):
         "import sys\n"
         f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
         "from hf_models import tiny\n"
-        "from specbatch.testing import specbatch_engine\n\n"
+        "from specbatch.conformance.testing import specbatch_engine\n\n"
         "def test_my_engine(specbatch_vectors, specbatch_check_engine):\n"
         "    model = tiny('llama')\n"
         "    vectors = specbatch_vectors(model, max_context=40)\n"
@@ -200,7 +200,7 @@ def test_make_refuses_a_non_empty_folder(tmp_path, capsys):
 # ---------------------------------------------------------------- the tie rule at its edges
 
 def test_the_tie_rule_measures_the_gap_to_the_engines_token_not_to_the_runner_up():
-    from specbatch.conform import judge
+    from specbatch.conformance.greedy import judge
     ref = dict(token_ids=[7, 1], top=[[[7, 10.0], [8, 10.0 - 1e-6], [9, 9.0], [4, 8.0]], [[1, 3.0], [2, 1.0]]])
     # the reference's top two are within tolerance, but the engine took the 3rd: a gap of 1.0
     third = judge(ref, [9, 1], "float32", 512)
@@ -212,7 +212,7 @@ def test_the_tie_rule_measures_the_gap_to_the_engines_token_not_to_the_runner_up
 def test_the_tie_rule_at_the_tolerance_and_one_ulp_above():
     import math
 
-    from specbatch.conform import judge
+    from specbatch.conformance.greedy import judge
     threshold = 0.25
     at = dict(token_ids=[7], top=[[[7, 12.0], [8, 12.0 - threshold]]])
     assert judge(at, [8], "float32", 512, threshold=threshold)["verdict"] == "tie"
@@ -221,7 +221,7 @@ def test_the_tie_rule_at_the_tolerance_and_one_ulp_above():
 
 
 def test_a_token_outside_the_stored_top_is_algorithmic_whatever_the_tolerance():
-    from specbatch.conform import judge
+    from specbatch.conformance.greedy import judge
     ref = dict(token_ids=[7], top=[[[7, 12.0], [8, 12.0], [9, 12.0]]])  # even when its score could be the top's
     assert judge(ref, [5], "float32", 512, threshold=1e9)["verdict"] == "algorithmic"
 
@@ -252,7 +252,7 @@ def test_the_verdict_line_states_a_tolerance_that_is_not_the_default(vectors, tm
 
 def test_the_vectors_cover_every_known_failure_class(vectors, capsys, tmp_path):
     """Read from the vectors themselves: every class occurs (and conform check prints the table)."""
-    from specbatch.conform import ROUND, coverage
+    from specbatch.conformance.greedy import ROUND, coverage
     counts = dict(coverage(vectors))
     assert counts["EOS at the first new token"] >= 1
     for k in range(2, ROUND + 1):

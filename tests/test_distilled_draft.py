@@ -63,7 +63,7 @@ def test_the_committed_feature_head_loads_on_a_target_of_smollm2s_shape():
     """`--draft smollm2-head`: the feature head of training/train_feature_head.py, on the target's own
     embedding and LM head restricted to the tokens it was trained on; its size matches its log, its
     forward is the trained net's, and a target of another width is refused by name."""
-    from specbatch.fast.feature_draft import FeatureHeadNet, load_feature_net
+    from specbatch.fast.drafts.feature_draft import FeatureHeadNet, load_feature_net
     from specbatch.fast.loading import FEATURE_HEADS, ModelLoadError
     from tests.hf_models import tiny
 

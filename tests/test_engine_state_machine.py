@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hf_models import EOS, VOCAB, oracle, tiny
-from specbatch.fast.drafts import ScriptedDraft
-from specbatch.fast.attention import engine_attention
+from specbatch.fast.drafts.scripted import ScriptedDraft
+from specbatch.fast.compute.attention import engine_attention
 from specbatch.fast.engine import Clock, Settings, Stats
 from specbatch.fast.models import ModelRunner, mask_fill_value
 from specbatch.fast.observer import InvariantChecker

@@ -13,10 +13,10 @@ import specbatch
 from hf_models import EOS, VOCAB, oracle, tiny
 from reference_cases import TARGET, oracle as reference_oracle
 from specbatch import reference
-from specbatch.cli import build_parser, main
+from specbatch.cli.commands import build_parser, main
 from specbatch.fast import loading
 from specbatch.fast import strategies as fast_strategies
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.fast.loading import DraftKind, load_draft
 from specbatch.fast.models import WeightlessLM, vocab_size
 from specbatch.fast.strategies.eqspec import Eqspec

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import specbatch
 from hf_models import ARCHS, EOS, FIXED_K, VOCAB, hf_greedy, oracle, tiny
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.fast.equivalence import compare
 from specbatch.invariants import check_trace
 from specbatch.reference import RectState, confidence_hashed, deviate_at, deviate_hashed, eqspec_update

@@ -8,7 +8,7 @@ import torch
 import specbatch
 import specbatch.fast.strategies.eqspec as eqspec
 from hf_models import EOS, FIXED_K, VOCAB, tiny
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.invariants import InvariantError
 from specbatch.reference import deviate_hashed
 

@@ -1,4 +1,4 @@
-"""fast.feature_draft: the feature draft computes its training function through any cache, the ragged
+"""fast.drafts.feature_draft: the feature draft computes its training function through any cache, the ragged
 engine feeds it the target's true features (buffer, pending tokens, f^ past the content), and
 generation stays exact; strategies that cannot keep features refuse it."""
 import functools
@@ -13,10 +13,10 @@ import specbatch
 from specbatch.fast.policy import Goodput
 from specbatch.fast.proposals import GoodputRule
 from specbatch.fast.engine import Settings, Stats
-from specbatch.fast.feature_draft import (FeatureBuffer, FeatureDraft, FeatureDraftNet, FeatureHeadNet,
+from specbatch.fast.drafts.feature_draft import (FeatureBuffer, FeatureDraft, FeatureDraftNet, FeatureHeadNet,
                                           draft_pending_after_features, feature_draft_config, feature_head_config)
-from specbatch.fast.lookup_draft import LookupFirstDraft
-from specbatch.fast.reduced_head import ReducedHeadDraft
+from specbatch.fast.drafts.lookup_draft import LookupFirstDraft
+from specbatch.fast.drafts.reduced_head import ReducedHeadDraft
 
 from hf_models import EOS, VOCAB, oracle, tiny
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hf_models import PROMPTS, VOCAB, tiny
-from specbatch.cli import main
+from specbatch.cli.commands import main
 from specbatch.io import InputError, OutputError, ResultWriter, loads_strict, open_for_writing
 
 
@@ -251,7 +251,7 @@ def test_every_reader_answers_malformed_json_in_one_line(folders, prompt_file, v
 
 @pytest.fixture(scope="module")
 def vectors_folder(tmp_path_factory):
-    from specbatch.conform import make_vectors
+    from specbatch.conformance.greedy import make_vectors
     folder = tmp_path_factory.mktemp("vectors") / "v"
     make_vectors(tiny("llama"), folder)
     return folder
@@ -312,7 +312,7 @@ def test_allow_modified_checks_altered_vectors_with_a_warning(vectors_folder, tm
 def test_a_vectors_path_that_is_a_file_and_a_too_short_context_are_one_line(vectors_folder, tmp_path, capsys):
     outputs = reference_outputs_file(vectors_folder, tmp_path / "out.jsonl")
     exit_2_with(capsys, ["conform", "check", str(outputs), str(outputs)], "not a folder of conformance vectors")
-    from specbatch.conform import VectorError, make_vectors
+    from specbatch.conformance.greedy import VectorError, make_vectors
     with pytest.raises(VectorError, match="too short for conformance vectors"):
         make_vectors(tiny("llama", max_position_embeddings=48), tmp_path / "short")
 
@@ -380,8 +380,8 @@ def test_a_second_run_on_a_held_output_is_refused_and_the_first_file_stays(folde
     (lambda t: None, "NoneType"),
 ])
 def test_check_engine_refuses_outputs_that_are_not_integer_ids(vectors_folder, corrupt, named):
-    from specbatch.conform import load_vectors
-    from specbatch.testing import ConformanceError, check_engine
+    from specbatch.conformance.greedy import load_vectors
+    from specbatch.conformance.testing import ConformanceError, check_engine
     vectors = load_vectors(vectors_folder)
     answers = {tuple(r["token_ids"]): vectors.reference[r["id"]]["token_ids"] for r in vectors.requests}
 
@@ -399,7 +399,7 @@ def test_check_engine_refuses_outputs_that_are_not_integer_ids(vectors_folder, c
 
 @pytest.mark.full  # waits out its timeout
 def test_check_engine_takes_a_model_and_a_timeout():
-    from specbatch.testing import ConformanceError, check_engine, specbatch_engine
+    from specbatch.conformance.testing import ConformanceError, check_engine, specbatch_engine
     target = tiny("llama")
     check_engine(specbatch_engine(target, None), target, batch_sizes=(4,), orders=("input",))
 
@@ -429,9 +429,9 @@ def test_an_edited_manifest_is_refused_like_altered_vectors(vectors_folder, tmp_
 
 
 def test_an_edited_sampled_manifest_is_refused(tmp_path):
-    from specbatch.conform import VectorError
-    from specbatch.sampled import load_sampled_vectors, make_sampled_vectors
-    from specbatch.testing import toy_sampling_pair
+    from specbatch.conformance.greedy import VectorError
+    from specbatch.conformance.sampled import load_sampled_vectors, make_sampled_vectors
+    from specbatch.conformance.testing import toy_sampling_pair
     make_sampled_vectors(toy_sampling_pair()[0], tmp_path / "s", samples=4)
     load_sampled_vectors(tmp_path / "s")
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())

@@ -17,7 +17,7 @@ import torch
 import specbatch
 import specbatch.io
 from hf_models import EOS, PROMPTS, VOCAB, tiny
-from specbatch.cli import main
+from specbatch.cli.commands import main
 from specbatch.options import OptionError
 
 
@@ -327,16 +327,16 @@ def test_every_exception_specbatch_raises_on_purpose_is_a_specbatch_error():
     """One base to catch: each error class of the package derives from specbatch.SpecbatchError
     (and keeps the built-in base callers may already catch)."""
     import specbatch
-    from specbatch.conform import VectorError
+    from specbatch.conformance.greedy import VectorError
     from specbatch.errors import UserError
     from specbatch.fast.loading import ModelLoadError
     from specbatch.invariants.trace import TraceError
     from specbatch.invariants.violations import InvariantError
     from specbatch.io import InputError, OutputError
     from specbatch.options import OptionError
-    from specbatch.serving import ServerError
+    from specbatch.conformance.serving import ServerError
     from specbatch.tensor_parallel import TensorParallelError
-    from specbatch.testing import ConformanceError
+    from specbatch.conformance.testing import ConformanceError
     classes = [UserError, VectorError, ModelLoadError, TraceError, InvariantError, InputError, OutputError,
                OptionError, ServerError, TensorParallelError, ConformanceError]
     assert all(issubclass(c, specbatch.SpecbatchError) for c in classes)

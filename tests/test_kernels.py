@@ -1,4 +1,4 @@
-"""Prepacked linear layers (fast.kernels): the same products as nn.Linear up to rounding, bias
+"""Prepacked linear layers (fast.compute.kernels): the same products as nn.Linear up to rounding, bias
 included, weights repacked when they change, modules restored after generation, and float32
 generation through them equal to transformers' greedy decoding wherever the reference is not a
 floating-point tie."""
@@ -8,8 +8,8 @@ import torch
 
 import specbatch
 from hf_models import EOS, FIXED_K, VOCAB, oracle, tiny
-from specbatch.fast import kernels
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.compute import kernels
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.fast.equivalence import compare
 from specbatch.reference import deviate_hashed
 

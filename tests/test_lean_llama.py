@@ -1,4 +1,4 @@
-"""fast.lean_llama: the draft's lean forward computes the Llama model's own function (up to rounding)
+"""fast.compute.lean_llama: the draft's lean forward computes the Llama model's own function (up to rounding)
 through any cache, and a draft using it keeps the engine exact in every strategy."""
 import copy
 
@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 
 import specbatch
-from specbatch.fast.lean_llama import LeanLlama, supported
-from specbatch.fast.reduced_head import ReducedHeadDraft
+from specbatch.fast.compute.lean_llama import LeanLlama, supported
+from specbatch.fast.drafts.reduced_head import ReducedHeadDraft
 
 from hf_models import EOS, FIXED_K, VOCAB, oracle, tiny
 

@@ -9,8 +9,8 @@ from transformers import DynamicCache
 import specbatch
 from specbatch.fast.policy import Threshold
 from hf_models import EOS, VOCAB, oracle, tiny
-from specbatch.fast.cache import rect_inputs
-from specbatch.fast.lookup_draft import LookupFirstDraft, PromptLookupDraft, lookup
+from specbatch.fast.compute.cache import rect_inputs
+from specbatch.fast.drafts.lookup_draft import LookupFirstDraft, PromptLookupDraft, lookup
 
 STRATEGIES = ["eqspec", "exspec", "ragged"]
 
@@ -140,7 +140,7 @@ class FakeLookup:
         self.matches, self.vocab = matches, vocab
 
     def __call__(self, step, ids):
-        from specbatch.fast.lookup_draft import LookupStep
+        from specbatch.fast.drafts.lookup_draft import LookupStep
         rows = len(self.matches)
         matched = torch.tensor([2 * (step in m) for m in self.matches])
         return LookupStep(20 + torch.arange(rows), matched, self.vocab)
@@ -197,7 +197,7 @@ def test_draft_round_of_lookup_rows_alone_runs_no_model():
 def test_one_hot_where_matched_leaves_unmatched_rows_alone():
     """Matched rows become one-hot on their proposal; a row without a match keeps its logits, so
     its confidence stays the model's (or uniform for lookup rows, which then stop proposing)."""
-    from specbatch.fast.lookup_draft import one_hot_where_matched
+    from specbatch.fast.drafts.lookup_draft import one_hot_where_matched
     logits = torch.randn(3, 10)
     before = logits.clone()
     out = one_hot_where_matched(logits, torch.tensor([4, 7, 2]), torch.tensor([2, 0, 3]))
@@ -211,7 +211,7 @@ def test_greedy_drafts_a_lookup_step_as_it_drafts_its_logits(vocab):
     """Greedy.draft_lookup (no [R, V] logits) returns exactly what Greedy.draft returns for the
     step's one-hot / uniform logits: the proposal with probability 1 where a row matched, token 0
     with probability 1 / V where it did not (such a row then stops proposing)."""
-    from specbatch.fast.lookup_draft import LookupStep
+    from specbatch.fast.drafts.lookup_draft import LookupStep
     from specbatch.fast.sampling import Greedy
     g = torch.Generator().manual_seed(vocab)
     step = LookupStep(torch.randint(1, vocab, (9,), generator=g), torch.tensor([0, 2, 3, 0, 1, 2, 0, 3, 2]), vocab)
@@ -233,10 +233,10 @@ def test_ragged_proposals_behind_a_lookup_are_the_lookup_first_drafts_own(tmp_pa
     threshold rule and the goodput rule (its prices at 0, so that every row drafts whatever the
     machine's timings)."""
     import json
-    from specbatch.fast.cache import rect_inputs
+    from specbatch.fast.compute.cache import rect_inputs
     from specbatch.fast.policy import Goodput
     from specbatch.fast.proposals import GoodputRule
-    from specbatch.fast.reduced_head import ReducedHeadDraft
+    from specbatch.fast.drafts.reduced_head import ReducedHeadDraft
     target = tiny("llama")
     model = tiny("llama", layers=1, seed=5)
     inner = ReducedHeadDraft(model, range(0, VOCAB, 2)) if reduced else model  # even tokens only

@@ -6,7 +6,7 @@ import pytest
 
 import specbatch.reference.engine as engine
 from reference_cases import TARGET, VOCAB
-from specbatch.cli import main
+from specbatch.cli.commands import main
 from specbatch.invariants import InvariantError, check_trace
 from specbatch.reference import RectState, ScriptedDraft, deviate_hashed, generate
 

@@ -11,7 +11,7 @@ import torch
 
 import specbatch
 from hf_models import EOS, PROMPTS, WORDS, tiny
-from specbatch.cli import main
+from specbatch.cli.commands import main
 from specbatch.options import OptionError
 
 
@@ -99,7 +99,7 @@ def test_bench_refuses_a_folder_that_holds_a_bench(folders, prompt_file, tmp_pat
 
 def test_bench_interrupted_then_resumed_equals_an_uninterrupted_run(folders, prompt_file, tmp_path, capsys,
                                                                     monkeypatch):
-    import specbatch.bench as bench
+    import specbatch.cli.bench as bench
     whole = tmp_path / "whole"
     assert main(bench_args(folders, prompt_file, whole)) == 0
     capsys.readouterr()
@@ -126,7 +126,7 @@ def test_bench_interrupted_then_resumed_equals_an_uninterrupted_run(folders, pro
 
 def test_conform_sample_interrupted_then_resumed_equals_an_uninterrupted_run(folders, prompt_file, tmp_path, capsys,
                                                                              monkeypatch):
-    import specbatch.testing as testing
+    import specbatch.conformance.testing as testing
     vectors = tmp_path / "sampled"
     assert main(["conform", "make", "--sampled", "--target", folders["target"], "--samples", "8",
                  "--prompts", str(prompt_file), "--out", str(vectors)]) == 0
@@ -185,7 +185,7 @@ def test_conform_sample_runs_greedy_vectors_through_any_strategy_and_they_confor
 
 
 def test_generate_interrupted_says_how_many_results_are_on_disk(folders, prompt_file, tmp_path, capsys, monkeypatch):
-    import specbatch.cli as cli
+    import specbatch.cli.commands as cli
     real = cli.run_generate
 
     def two_then_ctrl_c(target, draft, ids, opts, on_result=None, **kw):

@@ -9,8 +9,8 @@ import specbatch
 from hf_models import PROMPTS as TEXT_PROMPTS
 from hf_models import tiny
 from specbatch import options
-from specbatch.cli import build_parser, main, options_from_args
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.cli.commands import build_parser, main, options_from_args
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.reference import ScriptedDraft as ReferenceScriptedDraft
 from specbatch.reference import ToyLM, deviate_hashed
 from specbatch.reference import generate as reference_generate

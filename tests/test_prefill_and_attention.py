@@ -1,4 +1,4 @@
-"""Packed prefill (fast.prefill) and length-grouped attention (fast.attention): the K/V they leave in
+"""Packed prefill (fast.compute.prefill) and length-grouped attention (fast.compute.attention): the K/V they leave in
 the caches equal unpadded batch-1 prefills (I3), packs keep prompts apart (I2, I4), grouping reads
 every row's whole visible range, and generation through them equals transformers' greedy decoding
 with prompts of 1 to 700 tokens mixed in one admission, pad == EOS and pad ids inside prompts."""
@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 
 import specbatch
 from hf_models import EOS, FIXED_K, VOCAB, oracle, tiny
-from specbatch.fast import prefill as prefill_module
-from specbatch.fast.attention import (Plan, current_plan, forward_plan, grouped_attention, plain_attention, plan_groups,
+from specbatch.fast.compute import prefill as prefill_module
+from specbatch.fast.compute.attention import (Plan, current_plan, forward_plan, grouped_attention, plain_attention, plan_groups,
                                       plan_parts, scoped_plan)
 from specbatch.fast.engine import Settings, fresh_kv
 from specbatch.fast.models import ModelRunner, mask_fill_value
 from specbatch.fast.observer import InvariantChecker
-from specbatch.fast.prefill import packed_inputs, plan_packs, prefill_into, prefill_rectangle
-from specbatch.fast.slot_cache import SlotCache
+from specbatch.fast.compute.prefill import packed_inputs, plan_packs, prefill_into, prefill_rectangle
+from specbatch.fast.compute.slot_cache import SlotCache
 from specbatch.invariants import check_packed_forward
 
 RNG = np.random.default_rng(11)

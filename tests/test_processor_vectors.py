@@ -1,12 +1,12 @@
-"""The processor vectors (specbatch.processor_vectors): they hold every class they claim, specbatch's
-strategies pass them with speculation on, and every broken engine of specbatch.testing is flagged."""
+"""The processor vectors (specbatch.conformance.processor_vectors): they hold every class they claim, specbatch's
+strategies pass them with speculation on, and every broken engine of specbatch.conformance.testing is flagged."""
 import pytest
 
 from hf_models import tiny, word_tokenizer
 from profiles import only_full
 from specbatch import testing
-from specbatch.conform import ROUND
-from specbatch.processor_vectors import (CLASSES, STOP_CLASSES, STOP_SPANS, check_processor_outputs,
+from specbatch.conformance.greedy import ROUND
+from specbatch.conformance.processor_vectors import (CLASSES, STOP_CLASSES, STOP_SPANS, check_processor_outputs,
                                          make_processor_vectors, processors_of)
 from specbatch.reference.processors import Processors, processed_greedy_decode, stop_cut
 
@@ -23,7 +23,7 @@ def vectors():
 
 
 def test_every_class_is_present_and_does_what_it_claims(vectors):
-    from specbatch.processor_vectors import _logits_fn
+    from specbatch.conformance.processor_vectors import _logits_fn
     target = tiny("llama")
     logits_of, eos = _logits_fn(target), vectors.manifest["eos_token_ids"]
     assert {r["class"] for r in vectors.requests} == set(CLASSES) | set(STOP_CLASSES)
@@ -93,8 +93,8 @@ def test_the_checker_names_missing_extra_and_wrong_outputs(vectors):
 
 
 def test_saved_vectors_read_back_the_same(vectors, tmp_path):
-    from specbatch.conform import VectorError
-    from specbatch.processor_vectors import load_processor_vectors, save_processor_vectors
+    from specbatch.conformance.greedy import VectorError
+    from specbatch.conformance.processor_vectors import load_processor_vectors, save_processor_vectors
     save_processor_vectors(vectors, tmp_path / "v.json")
     again = load_processor_vectors(tmp_path / "v.json")
     assert again.requests == vectors.requests and again.manifest == vectors.manifest
@@ -110,8 +110,8 @@ def test_conform_make_and_check_processor_vectors(folders, tmp_path, capsys):
     0 conformant, 1 otherwise), and --without leaves out what an engine refuses."""
     import json
 
-    from specbatch.cli import main
-    from specbatch.processor_vectors import load_processor_vectors
+    from specbatch.cli.commands import main
+    from specbatch.conformance.processor_vectors import load_processor_vectors
     out = tmp_path / "pv.json"
     assert main(["conform", "make", "--processors", "--target", folders["target"], "--dtype", "float64",
                  "--out", str(out)]) == 0

@@ -11,8 +11,8 @@ import torch
 import specbatch
 from hf_models import EOS, FIXED_K, VOCAB, save_folder, tiny, word_tokenizer
 from profiles import only_full
-from specbatch.cli import main
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.cli.commands import main
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.fast.processors import LogitProcessors
 from specbatch.fast.sampling import processed_log_probs
 from specbatch.options import OptionError

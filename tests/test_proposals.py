@@ -14,7 +14,7 @@ import specbatch
 import specbatch.fast.engine as engine
 from hf_models import EOS, VOCAB, oracle, tiny
 from profiles import examples, only_full
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.fast.proposals import proposal_lengths
 from specbatch.invariants import InvariantError, check_proposal_lengths, check_trace
 from specbatch.reference import ToyLM, confidence_hashed, deviate_at, deviate_hashed

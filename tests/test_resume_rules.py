@@ -7,7 +7,7 @@ import pytest
 
 from specbatch.io import InputError, ResultWriter, read_done
 from specbatch.options import OptionError, check_arrivals
-from specbatch.resume import RECORD_FORMAT, check_kept, check_same_run, write_record
+from specbatch.cli.resume import RECORD_FORMAT, check_kept, check_same_run, write_record
 
 
 def lines(*records) -> str:

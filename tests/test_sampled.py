@@ -10,11 +10,11 @@ import torch
 
 from hf_models import tiny
 from specbatch.fast.sampling import processed_log_probs
-from specbatch.sampled import (ALPHA, SETTINGS, _node_ids, check_samples, chi2_sf, load_sampled_vectors,
+from specbatch.conformance.sampled import (ALPHA, SETTINGS, _node_ids, check_samples, chi2_sf, load_sampled_vectors,
                                make_sampled_vectors, poisson_binomial_sf, reference_probs, sampled_vectors,
                                tv_lower_bound)
-from specbatch.sampling_engines import BUGS, sampling_engine
-from specbatch.testing import (ConformanceError, check_sampling, hf_sampling_engine, run_sampled, sampled_power,
+from specbatch.conformance.sampling_engines import BUGS, sampling_engine
+from specbatch.conformance.testing import (ConformanceError, check_sampling, hf_sampling_engine, run_sampled, sampled_power,
                                specbatch_sampling_engine, toy_sampling_pair)
 
 TOY = toy_sampling_pair()
@@ -68,7 +68,7 @@ def test_the_top_p_slack_admits_a_token_that_rounding_can_rank_above_the_last_ke
 
 
 def test_sampled_vectors_take_the_eos_ids_an_engine_stops_at():
-    from specbatch.conform import VectorError
+    from specbatch.conformance.greedy import VectorError
     target, _ = TOY
     vectors = sampled_vectors(target, samples=4, eos_token_ids=[63, 0])
     assert vectors.manifest["eos_token_ids"] == [63, 0] and all(r["eos_token_ids"] == [63, 0] for r in vectors.rows)
@@ -95,7 +95,7 @@ def test_chi_square_tail():
 def test_prompt_cache_gives_the_logits_of_whole_sequences():
     """The checker runs each prompt once and its continuations on a copy of its cache: the same
     conditionals as a forward over every whole sequence (float64)."""
-    import specbatch.sampled as sampled
+    import specbatch.conformance.sampled as sampled
     target = tiny("llama", seed=0)
     prompts = [[5, 9, 2, 40], [5, 9, 2, 40], [7, 1], [5, 9, 2, 40]]
     conts = [[3, 8, 8], [3], [11, 12, 13, 14], [60, 61]]
@@ -206,7 +206,7 @@ def test_a_token_outside_the_kept_set_is_a_violation():
 
 
 def test_vectors_on_disk_round_trip_and_tampering_is_refused(tmp_path):
-    from specbatch.conform import VectorError
+    from specbatch.conformance.greedy import VectorError
     target, _ = TOY
     manifest = make_sampled_vectors(target, tmp_path / "v", samples=8)
     vectors = load_sampled_vectors(tmp_path / "v")
@@ -299,7 +299,7 @@ def test_power_against_each_broken_sampler(bug):
 def test_cli_make_sample_and_check(folders, prompt_file, tmp_path, capsys):
     """conform make --sampled, conform sample (specbatch rejection), conform check: exit 0; a broken
     output file: exit 1 naming the problem; a missing --target or unreadable outputs: exit 2."""
-    from specbatch.cli import main
+    from specbatch.cli.commands import main
     vectors = tmp_path / "sampled"
     assert main(["conform", "make", "--sampled", "--target", str(folders["target"]), "--samples", "16",
                  "--prompts", str(prompt_file), "--out", str(vectors)]) == 0

@@ -10,10 +10,10 @@ import torch
 
 from hf_models import tiny
 from specbatch.reference.processors import Processors, process_logits, sampling_distribution
-from specbatch.sampled import (PROCESSOR_KEYS, _processed, check_samples, processor_kwargs, reference_probs,
+from specbatch.conformance.sampled import (PROCESSOR_KEYS, _processed, check_samples, processor_kwargs, reference_probs,
                                sampled_vectors, setting_processors, without_settings)
-from specbatch.sampling_engines import BUGS, PROCESSOR_BUGS, _process, sampling_engine
-from specbatch.testing import (ConformanceError, check_sampling, expressible, hf_sampling_engine, run_sampled,
+from specbatch.conformance.sampling_engines import BUGS, PROCESSOR_BUGS, _process, sampling_engine
+from specbatch.conformance.testing import (ConformanceError, check_sampling, expressible, hf_sampling_engine, run_sampled,
                                specbatch_sampling_engine, toy_sampling_pair)
 
 TOY = toy_sampling_pair()
@@ -129,7 +129,7 @@ def test_specbatch_with_processors_at_draft_positions_skipped_is_rejected():
     """The fast engine with processors at its last verify query only (testing.PROCESSOR_BUGS'
     bonus-only), on a tiny model made peaked (random weights give near-uniform distributions, where
     a logit bias moves little mass), with the logit-bias setting."""
-    from specbatch.testing import broken_processor_sampling_engine
+    from specbatch.conformance.testing import broken_processor_sampling_engine
     target = tiny("llama", seed=0, dtype=torch.float32)
     with torch.no_grad():
         target.lm_head.weight.mul_(30.0)

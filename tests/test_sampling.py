@@ -14,7 +14,7 @@ import specbatch
 import specbatch.fast.sampling as sampling
 from profiles import only_full
 from hf_models import EOS, tiny
-from specbatch.fast.drafts import IMPOSED_P, IMPOSED_Q, ImposedLM, ScriptedDraft
+from specbatch.fast.drafts.scripted import IMPOSED_P, IMPOSED_Q, ImposedLM, ScriptedDraft
 from specbatch.reference import deviate_hashed
 from specbatch.reference import sampling as ref
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import specbatch
 from hf_models import FIXED_K, tiny
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.fast.strategies import eqspec as fast_eqspec
 from specbatch.reference import ExspecPool, FixedBatches, deviate_hashed
 

@@ -1,4 +1,4 @@
-"""Seeded reproducibility, a verdict of its own (specbatch.testing.check_seeded_reproducibility): a
+"""Seeded reproducibility, a verdict of its own (specbatch.conformance.testing.check_seeded_reproducibility): a
 request with its own seed gives the same tokens alone, in a batch, in another order and, in coupled
 mode, with speculation off; engines whose randomness follows the batch are told apart."""
 import numpy as np
@@ -7,9 +7,9 @@ import pytest
 from hf_models import EOS, tiny
 from profiles import only_full
 from specbatch import testing
-from specbatch.fast.drafts import ScriptedDraft
+from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.reference import deviate_hashed
-from specbatch.sampling_engines import sampling_engine
+from specbatch.conformance.sampling_engines import sampling_engine
 
 PROMPTS = [np.random.default_rng(0).integers(0, 96, n).tolist() for n in (3, 9, 5, 12)]
 

@@ -1,5 +1,5 @@
-"""The server adapter (`conform run --server`, specbatch.serving) against an in-process stub server
-backed by specbatch (specbatch.stub_server) on 127.0.0.1: both protocols give the right verdicts,
+"""The server adapter (`conform run --server`, specbatch.conformance.serving) against an in-process stub server
+backed by specbatch (specbatch.conformance.stub_server) on 127.0.0.1: both protocols give the right verdicts,
 each switched-on bug class is flagged, user errors are one line with exit 2, and a partial run
 resumes without resending finished requests."""
 import hashlib
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from hf_models import tiny
-from specbatch.cli import main
-from specbatch.conform import (check_outputs, differential_reference, load_vectors, logprob_tolerance,
+from specbatch.cli.commands import main
+from specbatch.conformance.greedy import (check_outputs, differential_reference, load_vectors, logprob_tolerance,
                                read_outputs)
-from specbatch.sampled import check_samples, sampled_vectors
-from specbatch.serving import LlamaCppProtocol, ServerEngine, ServerError, run_vectors
-from specbatch.stub_server import StubServer
+from specbatch.conformance.sampled import check_samples, sampled_vectors
+from specbatch.conformance.serving import LlamaCppProtocol, ServerEngine, ServerError, run_vectors
+from specbatch.conformance.stub_server import StubServer
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +275,7 @@ def test_run_check_resume_and_no_silent_overwrite(pair, vectors, greedy_vectors,
 
 
 def test_a_refusal_names_a_parameter_only_when_its_message_does():
-    from specbatch.serving import _parameter_hint
+    from specbatch.conformance.serving import _parameter_hint
     body = dict(n=1, top_k=5, seed=3, prompt=[1])
     assert _parameter_hint("EngineCore encountered an issue", body) == ""  # no stray one-letter match
     assert _parameter_hint("top_k must be at least -1", body) == " (parameter 'top_k')"
@@ -286,7 +286,7 @@ def test_a_refusal_names_a_parameter_only_when_its_message_does():
 
 @pytest.fixture(scope="module")
 def processor_vectors(pair):
-    from specbatch.processor_vectors import make_processor_vectors
+    from specbatch.conformance.processor_vectors import make_processor_vectors
     return make_processor_vectors(pair[0])
 
 
@@ -295,7 +295,7 @@ def test_processor_vectors_through_a_server(pair, processor_vectors, bug):
     """Every request with its own penalties, bias and min_tokens, sent together to an OpenAI server
     (which batches requests of different settings): exact when it applies them, flagged when it
     accepts them and applies none (SGLang issue 28180's class)."""
-    from specbatch.processor_vectors import check_processor_outputs
+    from specbatch.conformance.processor_vectors import check_processor_outputs
     with StubServer(*pair, bug=bug) as server:
         rows = list(run_vectors(ServerEngine(server.url, "openai"), processor_vectors, concurrency=8).values())
         assert max(server.batches) > 1
@@ -311,7 +311,7 @@ def test_processor_vectors_through_a_server(pair, processor_vectors, bug):
 def test_llama_cpp_leaves_out_what_it_cannot_express_and_says_so(pair, processor_vectors, tmp_path, capsys):
     """llama.cpp's API has logit_bias and min_p only: conform run sends the rest, names what it left
     out and the --without that judges the rest; conform check with it passes."""
-    from specbatch.processor_vectors import save_processor_vectors
+    from specbatch.conformance.processor_vectors import save_processor_vectors
     path = tmp_path / "processors.json"
     save_processor_vectors(processor_vectors, path)
     out = tmp_path / "out.jsonl"
@@ -328,7 +328,7 @@ def test_llama_cpp_leaves_out_what_it_cannot_express_and_says_so(pair, processor
     assert main(["conform", "check", str(path), str(out)]) == 1  # the left-out requests are missing
     with pytest.raises(ServerError, match="cannot express min_tokens"):
         ServerEngine("http://127.0.0.1:9", "llama.cpp").protocol.body(
-            __import__("specbatch.serving", fromlist=["Ask"]).Ask("x", [1], 2, [0], processors=dict(min_tokens=2)), 0,
+            __import__("specbatch.conformance.serving", fromlist=["Ask"]).Ask("x", [1], 2, [0], processors=dict(min_tokens=2)), 0,
             None)
 
 
@@ -351,7 +351,7 @@ def test_logprobs_of_processor_vectors_through_a_server(pair, processor_vectors,
     """conform check --logprobs raw compares the logprob the server returned for each token with the
     reference's: a server returning the draft's logprobs is flagged; a correct server's raw logprobs
     are not its processed ones wherever processors change the logits."""
-    from specbatch.processor_vectors import check_processor_outputs, save_processor_vectors
+    from specbatch.conformance.processor_vectors import check_processor_outputs, save_processor_vectors
     with StubServer(*pair, bug=bug) as server:
         rows = list(run_vectors(ServerEngine(server.url, "openai", logprobs=2), processor_vectors,
                                 concurrency=8).values())

@@ -8,7 +8,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import train_feature_head  # noqa: E402
 
-from specbatch.fast.feature_draft import FeatureHeadNet, feature_head_config  # noqa: E402
+from specbatch.fast.drafts.feature_draft import FeatureHeadNet, feature_head_config  # noqa: E402
 from tests.hf_models import tiny  # noqa: E402
 
 

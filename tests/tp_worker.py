@@ -9,7 +9,7 @@ import sys
 import specbatch
 from specbatch import distributed
 from specbatch.fast.loading import load_model
-from specbatch.fast.backend import sharded
+from specbatch.fast.compute.backend import sharded
 from specbatch.tensor_parallel import layout, shard
 
 target_dir, draft_dir, dtype, out = sys.argv[1:5]
@@ -34,4 +34,4 @@ if rank == 0:
         json.dump(runs, f)
 distributed.shutdown()
 sys.stdout.flush()
-os._exit(0)  # past gloo's teardown at interpreter exit (specbatch.cli.leave)
+os._exit(0)  # past gloo's teardown at interpreter exit (specbatch.cli.commands.leave)

@@ -49,8 +49,8 @@ def step_ms(model, context: int = 300, steps: int = 40) -> float:
     import torch
 
     from specbatch.fast.acceptance import UnpaddedRow
-    from specbatch.fast.attention import engine_attention
-    from specbatch.fast.kernels import prepacked_linears
+    from specbatch.fast.compute.attention import engine_attention
+    from specbatch.fast.compute.kernels import prepacked_linears
     row = UnpaddedRow(model)
     ids = torch.randint(100, 40000, (context + steps,), generator=torch.Generator().manual_seed(0)).tolist()
     times = []
@@ -96,7 +96,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     import specbatch
-    from specbatch.bench import first_per_category, prompt_categories
+    from specbatch.cli.bench import first_per_category, prompt_categories
     from specbatch.prepare import encode_prompts
     from specbatch.fast.loading import load_draft, load_model
     from specbatch.io import read_prompts
@@ -147,7 +147,7 @@ def main(argv=None):
                      f"({reference_speed:.1f} tokens/s), exact match {run['exact_match']}/{len(ids)}")
     table = markdown(rows, categories, [""] + extra if extra else [])
     print(f"\n{args.mode}: k = {k}, at most {args.max_new_tokens} new tokens, greedy\n\n{table}")
-    from specbatch.machine import describe_machine
+    from specbatch.cli.machine import describe_machine
     command = "python training/eval_draft.py " + " ".join(sys.argv[1:] if argv is None else argv)
     machine = describe_machine()
     out = Path(args.out)

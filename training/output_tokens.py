@@ -1,7 +1,7 @@
 """The output tokens a distilled draft was trained over, from its training data, as train_draft.py
 selects them (the answer tokens of the training examples, validation examples left out), written
 to the draft's folder as output_tokens.json: the token set of its reduced head
-(fast/reduced_head.py). train_draft.py writes the file itself; this recomputes it for a draft
+(fast/drafts/reduced_head.py). train_draft.py writes the file itself; this recomputes it for a draft
 trained before it did, from the same prompts and the target's regenerated answers.
 
     python training/output_tokens.py --prompts data/stage1.jsonl data/stage2.jsonl \

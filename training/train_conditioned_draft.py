@@ -1,4 +1,4 @@
-"""Train a token draft that also reads the target's features (fast/feature_draft.py).
+"""Train a token draft that also reads the target's features (fast/drafts/feature_draft.py).
 
 The draft's input embedding at content index j is embed(t_j) + P f_{j-1}, where f_{j-1} is the
 target's final hidden state one index earlier (training/target_features.py) and P a projection to

@@ -302,7 +302,7 @@ def main(argv=None):
         validation_agreement=round(final, 4), torch_threads=torch.get_num_threads(), log=log,
     )
     (out / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")
-    if candidates is not None:  # the reduced head of fast/reduced_head.py: the tokens trained as outputs
+    if candidates is not None:  # the reduced head of fast/drafts/reduced_head.py: the tokens trained as outputs
         (out / "output_tokens.json").write_text(json.dumps(candidates.tolist()) + "\n")
     print(f"validation agreement {final:.3f}; saved to {out}")
 

@@ -1,4 +1,4 @@
-"""Train the feature draft of fast/feature_draft.py (EAGLE-style) on the target's own features.
+"""Train the feature draft of fast/drafts/feature_draft.py (EAGLE-style) on the target's own features.
 
 Input: the distillation examples of train_draft.py (prompt + the target's greedy answer) and the
 target's features over them (training/target_features.py). The draft reads (t_j, f_{j-1}) and
@@ -18,7 +18,7 @@ copies of the target's last decoder layer and final norm.
         --answers training/data/stage1_answers.jsonl training/data/stage2_answers.jsonl \
         --features training/data/features.pt --out fast/distilled/smollm2-feature-draft --max-minutes 30
 
-Writes fast.feature_draft.FeatureDraftNet.save's files to --out (weights in float16, config,
+Writes fast.drafts.feature_draft.FeatureDraftNet.save's files to --out (weights in float16, config,
 output tokens, training_log.json with the validation agreement of steps 1 and 2).
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main(argv=None):
     parser.add_argument("--noise", type=float, default=0.1, help="uniform noise on the input features, times their RMS")
     args = parser.parse_args(argv)
 
-    from specbatch.fast.feature_draft import FeatureDraftNet, feature_draft_config
+    from specbatch.fast.drafts.feature_draft import FeatureDraftNet, feature_draft_config
     from specbatch.fast.loading import load_model
 
     torch.manual_seed(args.seed)

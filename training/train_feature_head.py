@@ -1,4 +1,4 @@
-"""Train the feature head of fast/feature_draft.py (FeatureHeadNet) on the target's own features.
+"""Train the feature head of fast/drafts/feature_draft.py (FeatureHeadNet) on the target's own features.
 
 The head reads (t_j, f_{j-1}) at one position, no attention: f^_j = norm(f_{j-1} + down(silu(fc([embed(t_j),
 f_{j-1}])))), and the target's LM head on f^_j (restricted to the tokens the answers use) proposes
@@ -60,7 +60,7 @@ def main(argv=None):
     parser.add_argument("--second-weight", type=float, default=0.5, help="weight of step 2's loss")
     args = parser.parse_args(argv)
 
-    from specbatch.fast.feature_draft import FeatureHeadNet, feature_head_config
+    from specbatch.fast.drafts.feature_draft import FeatureHeadNet, feature_head_config
     from specbatch.fast.loading import load_model
 
     torch.manual_seed(args.seed)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..cache import gather_cache, rect_inputs
-from ..prefill import prefill_rectangle
+from ..compute.cache import gather_cache, rect_inputs
+from ..compute.prefill import prefill_rectangle
 from ...invariants import check_alignment
 from ...reference.pool import FixedBatches
 from ..engine import (Arrivals, Settings, Stats, check_cache_row, check_rect_forward, dynamic_layer_kv, rect_queries,
@@ -35,7 +35,7 @@ class RectBatch:
     @classmethod
     def prefill(cls, prompts, requests, max_new, target, draft, settings: Settings, stats: Stats, clock):
         """A new batch: left-pad the prompts and prefill both caches on everything but the pending token
-        (fast.prefill: the real tokens only, written at their left-padded columns)."""
+        (fast.compute.prefill: the real tokens only, written at their left-padded columns)."""
         prompt_len = np.array([len(p) for p in prompts])
         width = int(prompt_len.max())
         tokens = torch.tensor([[settings.pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long,

@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ...invariants import check_conservation
 from ...reference.pool import ExspecPool
-from ..cache import row_views, stacked_cache
+from ..compute.cache import row_views, stacked_cache
 from ..engine import Arrivals, Settings, Stats
 from ..rect_proposer import rect_proposer_class
 from .eqspec import RectBatch

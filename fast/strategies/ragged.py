@@ -7,7 +7,7 @@ moves. A finished row frees its slot at once; the next queued request takes it a
 in one forward before the next round (reference.pool.SlotQueue is the scheduler, shared with the
 reference). See proofs_notes/ragged.md. The engine holds the target's side; the draft's side (its
 slot cache, pending tokens, proposals) is a proposer (fast.proposer). A draft that reads the target's
-features (fast.feature_draft) runs only here: each slot row also keeps the target's features of its
+features (fast.drafts.feature_draft) runs only here: each slot row also keeps the target's features of its
 content (proofs_notes/feature_drafts.md).
 """
 from __future__ import annotations
@@ -17,14 +17,14 @@ import torch
 
 from ...invariants import check_conservation, check_mask, check_positions
 from ...reference.pool import SlotQueue
-from ..attention import flat_plan, uses_engine_attention
-from ..feature_draft import FeatureCapture
+from ..compute.attention import flat_plan, uses_engine_attention
+from ..drafts.feature_draft import FeatureCapture
 from ..layout import VerifyLayout
 from ..engine import Arrivals, Proposals, Settings, Stats, check_cache_row, rect_queries, record_round
-from ..prefill import prefill_into
+from ..compute.prefill import prefill_into
 from ..proposer import proposer_for
-from ..slot_cache import SlotCache
-from ..slot_forward import slot_forward, storage_dtype
+from ..compute.slot_cache import SlotCache
+from ..compute.slot_forward import slot_forward, storage_dtype
 from ..processors import STOP, STOP_REASONS
 from ..verify import commit_counts
 
@@ -60,7 +60,7 @@ class RaggedEngine:
         # the target runs the engine's attention (which groups rows by length): needed by the flat verify
         self.grouped = uses_engine_attention(target.model)
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
-        # a feature draft (fast.feature_draft) reads the target's features of each row's content
+        # a feature draft (fast.drafts.feature_draft) reads the target's features of each row's content
         self.capture = None
         if self.proposer.features is not None:
             self.capture = FeatureCapture(target.model, self.proposer.features)

@@ -69,7 +69,7 @@ def markdown(report: dict) -> str:
 def machine() -> str:
     try:
         sys.path.insert(0, str(ROOT))
-        from specbatch.machine import describe_machine
+        from specbatch.cli.machine import describe_machine
         return describe_machine()["summary"]
     except Exception as e:  # the table still gets written
         return f"an unknown machine ({e})"

@@ -15,12 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import UserError
-from .options import (DTYPES, SAMPLING_MODES, GenerateOptions, OptionError, check_arrival_rate,
+from ..errors import UserError
+from ..options import (DTYPES, SAMPLING_MODES, GenerateOptions, OptionError, check_arrival_rate,
                       check_logit_bias, check_real, check_seed, check_temperature, check_top_p, defaults,
                       strategy_names)
 from .demo import DEMO_DRAFT
-from .prepare import encode_prompts, load, read_prompt_file, run_generate
+from ..prepare import encode_prompts, load, read_prompt_file, run_generate
 
 
 class Parser(argparse.ArgumentParser):
@@ -125,7 +125,7 @@ def int_list(text: str) -> list[int]:
 # ---------------------------------------------------------------- commands
 
 def tensor_parallel_layout(rank: int, size: int, tp: int, device: str):
-    from .tensor_parallel import TensorParallelError, layout
+    from ..tensor_parallel import TensorParallelError, layout
     try:
         return layout(rank, size, tp, "cuda" if str(device).startswith("cuda") else "cpu")
     except TensorParallelError as e:
@@ -134,7 +134,7 @@ def tensor_parallel_layout(rank: int, size: int, tp: int, device: str):
 
 def shard_target(target, parallel):
     """The target sharded over this rank's tensor-parallel group (itself when --tensor-parallel is 1)."""
-    from .tensor_parallel import TensorParallelError, shard
+    from ..tensor_parallel import TensorParallelError, shard
     try:
         return shard(target, parallel)
     except TensorParallelError as e:
@@ -144,8 +144,8 @@ def shard_target(target, parallel):
 def cmd_generate(args) -> int:
     """generate: prompts in, one result per request out (--out FILE, else stdout), resumable; under
     torchrun each data-parallel group writes a part file and rank 0 merges them."""
-    from . import distributed
-    from .io import ResultWriter
+    from .. import distributed
+    from ..io import ResultWriter
     _check_output_files(args)  # everything about the files before any model is loaded
     prompts = read_prompt_file(args.prompts)
     order = [ident for ident, _ in prompts]
@@ -206,7 +206,7 @@ def cmd_generate(args) -> int:
 
 def _check_output_files(args) -> None:
     """--out and --trace are paths the run may write (never the prompt file or each other)."""
-    from .io import InputError, check_output_path
+    from ..io import InputError, check_output_path
     try:
         if (args.resume or args.overwrite) and not args.out:
             raise InputError(f"{'--resume' if args.resume else '--overwrite'} applies to --out; give --out FILE")
@@ -224,7 +224,7 @@ def _claim_output(args, order, rank: int):
     with --resume."""
     import glob
 
-    from .io import InputError, OutputLock, check_not_replacing, check_output_path, read_done
+    from ..io import InputError, OutputLock, check_not_replacing, check_output_path, read_done
     lock, previous = None, {}
     # every part file there, whatever the world size of the run that wrote it; kept until merged
     stale = sorted(glob.glob(glob.escape(str(args.out)) + ".part*")) if args.out else []
@@ -251,8 +251,8 @@ def _claim_output(args, order, rank: int):
 def _check_or_record_run(args, target, draft, opts, parallel, previous, rank: int) -> None:
     """A resumed run must be the run that wrote --out (models, prompts, options) and its kept results
     must fit the model; a new run records itself in OUT.settings.json."""
-    from .fast.models import eos_ids_of, vocab_size
-    from .io import InputError
+    from ..fast.models import eos_ids_of, vocab_size
+    from ..io import InputError
     from .resume import check_kept, check_same_run, run_record, write_record
     record_now = run_record(target_spec=args.target, draft_spec=args.draft, target=target, draft=draft,
                             prompts_file=args.prompts, chat_template=args.chat_template, options=opts,
@@ -271,7 +271,7 @@ def _check_or_record_run(args, target, draft, opts, parallel, previous, rank: in
 def _recorder(order, mine, tokenizer, stop, sink):
     """on_result for run_generate: each finished request as a result record, handed to `sink` (a
     ResultWriter or a StdoutPrinter; None: this rank does not write)."""
-    from .api import result_text
+    from ..api import result_text
 
     def record(request, tokens, reason, rounds):
         rec = dict(id=order[mine[request]], text=result_text(tokens, reason, tokenizer, stop), token_ids=tokens,
@@ -285,7 +285,7 @@ def _recorder(order, mine, tokenizer, stop, sink):
 def _merge_parts(out, order, previous, every_part) -> None:
     """Rank 0 after a data-parallel run: OUT gets every result (kept ones and each part file's)
     before any part file is removed."""
-    from .io import ResultWriter, read_done
+    from ..io import ResultWriter, read_done
     done = dict(previous)
     for path in every_part:
         done.update(read_done(path))
@@ -327,17 +327,17 @@ def leave(code: int):
 
 
 def cmd_verify(args) -> int:
-    from .fast.equivalence import compare
+    from ..fast.equivalence import compare
     prompts = read_prompt_file(args.prompts)
     opts, _ = options_from_args(args)
     if opts.temperature:
         raise UserError("verify checks greedy decoding; drop --temperature")
-    from .conform import VectorError, check_tolerance
+    from ..conformance.greedy import VectorError, check_tolerance
     try:
         check_tolerance(opts.dtype, args.tie_ulps, args.tie_tolerance)  # before any model is loaded
     except VectorError as e:
         raise UserError(str(e)) from None
-    from . import distributed
+    from .. import distributed
     rank, size = distributed.init_from_env(opts.device)
     parallel = tensor_parallel_layout(rank, size, args.tensor_parallel, opts.device)
     if parallel.dp_size > 1:
@@ -373,7 +373,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_check_trace(args) -> int:
-    from .invariants import TraceError, check_trace
+    from ..invariants import TraceError, check_trace
     try:
         violations = check_trace(args.file)
     except TraceError as e:
@@ -393,7 +393,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_conform(args) -> int:
-    from .conform import VectorError
+    from ..conformance.greedy import VectorError
     try:
         if args.action == "make":
             return _conform_make(args)
@@ -401,10 +401,10 @@ def cmd_conform(args) -> int:
             return _conform_sample(args)
         if args.action == "run":
             return _conform_run(args)
-        from .processor_vectors import is_processor_vectors
+        from ..conformance.processor_vectors import is_processor_vectors
         if is_processor_vectors(args.vectors):
             return _conform_check_processors(args)
-        from .sampled import is_sampled
+        from ..conformance.sampled import is_sampled
         if is_sampled(args.vectors):
             return _conform_check_sampled(args)
         return _conform_check_greedy(args)
@@ -424,7 +424,7 @@ def _new_folder(path) -> Path:
 def _conform_make_processors(args) -> int:
     from collections import Counter
 
-    from .processor_vectors import make_processor_vectors, save_processor_vectors
+    from ..conformance.processor_vectors import make_processor_vectors, save_processor_vectors
     out = Path(args.out)
     if out.exists() or out.is_symlink():
         raise UserError(f"--out {out} exists; processor vectors are written to a new file")
@@ -442,8 +442,8 @@ def _conform_make_processors(args) -> int:
 
 
 def _conform_check_processors(args) -> int:
-    from .conform import read_outputs
-    from .processor_vectors import check_processor_outputs, load_processor_vectors, without
+    from ..conformance.greedy import read_outputs
+    from ..conformance.processor_vectors import check_processor_outputs, load_processor_vectors, without
     whole = load_processor_vectors(args.vectors)
     vectors = without(whole, args.without)
     left_out = {r["id"] for r in whole.requests} - set(vectors.reference)
@@ -464,7 +464,7 @@ def _conform_check_processors(args) -> int:
 
 
 def _conform_make(args) -> int:
-    from .conform import make_vectors
+    from ..conformance.greedy import make_vectors
     if args.processors and not args.sampled:
         return _conform_make_processors(args)
     out = _new_folder(args.out)
@@ -477,12 +477,12 @@ def _conform_make(args) -> int:
         manifest = make_vectors(target, out, tokenizer=tokenizer, seed=args.seed, max_context=args.max_context,
                                 progress=lambda stage: print(f"[{time.perf_counter() - started:5.1f} s] {stage}",
                                                              file=sys.stderr, flush=True))
-        from .conform import coverage_table
+        from ..conformance.greedy import coverage_table
         print(coverage_table(out))
         print(f"{manifest['num_requests']} requests in {out} (classes: {', '.join(manifest['classes'])}); "
               f"EOS ids {manifest['eos_token_ids']}, pad id {manifest['pad_token_id']}")
         return 0
-    from .sampled import make_sampled_vectors
+    from ..conformance.sampled import make_sampled_vectors
     prompts = None
     if args.prompts:
         if tokenizer is None:
@@ -509,10 +509,10 @@ def _conform_sample(args) -> int:
     """specbatch (or transformers) on conformance vectors, greedy or sampled: outputs appended to --out
     as they finish (a sampled setting's rows when its call returns, greedy requests one by one);
     --resume runs only what is missing and gives the file an uninterrupted run gives."""
-    from .conform import load_vectors
-    from .io import InputError, OutputLock, ResultWriter, check_not_replacing, check_output_path, read_done
+    from ..conformance.greedy import load_vectors
+    from ..io import InputError, OutputLock, ResultWriter, check_not_replacing, check_output_path, read_done
     from .resume import RECORD_FORMAT, check_same_run, write_record
-    from .sampled import is_sampled, load_sampled_vectors
+    from ..conformance.sampled import is_sampled, load_sampled_vectors
     sampled = is_sampled(args.vectors)
     vectors = load_sampled_vectors(args.vectors) if sampled else load_vectors(args.vectors)
     rows = vectors.rows if sampled else vectors.requests
@@ -564,12 +564,12 @@ def _conform_sample(args) -> int:
 
 def _sample_settings(args, vectors, target, draft, batch_size, done, writer):
     """Sampled vectors, one call per setting not in `done`, each setting's rows written when it returns."""
-    from .testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
+    from ..conformance.testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
     if args.engine == "transformers":
         engine = hf_sampling_engine(target, draft)
     else:
         engine = specbatch_sampling_engine(target, draft, sampling=args.sampling, progress=sys.stderr.isatty())
-    from .testing import expressible
+    from ..conformance.testing import expressible
     vectors, left_out = expressible(vectors, engine)
     if left_out:
         print(f"note: {args.engine} cannot express the processors of setting(s) {', '.join(left_out)}; not run "
@@ -589,7 +589,7 @@ def _sample_settings(args, vectors, target, draft, batch_size, done, writer):
 def _sample_greedy(args, vectors, target, draft, opts, batch_size, writer):
     """Greedy vectors: the missing requests in input order, each written as it finishes."""
     if args.engine == "transformers":
-        from .testing import hf_assisted_engine, run_vectors
+        from ..conformance.testing import hf_assisted_engine, run_vectors
         todo = [i for i, r in enumerate(vectors.requests) if r["id"] not in writer.results]
         for row in run_vectors(hf_assisted_engine(target, draft), vectors, batch_size, todo):
             writer.add(row)
@@ -621,8 +621,8 @@ def _extra_fields(text: str | None) -> dict:
 def _expressible_on(engine, vectors, sampled: bool, processors: bool):
     """(the vectors less what the server's API cannot express, the ids or setting names left out,
     the unexpressed processor keys comma-separated); greedy vectors use no processors."""
-    from .processor_vectors import SETTING_KEYS, without
-    from .sampled import PROCESSOR_KEYS, without_settings
+    from ..conformance.processor_vectors import SETTING_KEYS, without
+    from ..conformance.sampled import PROCESSOR_KEYS, without_settings
     unsupported = ",".join(k for k in (PROCESSOR_KEYS if sampled else SETTING_KEYS) if k not in engine.SUPPORTS)
     if sampled and unsupported:
         vectors, left_out = without_settings(vectors, unsupported)
@@ -635,11 +635,11 @@ def _expressible_on(engine, vectors, sampled: bool, processors: bool):
 
 def _conform_run(args) -> int:
     """Vectors (greedy, processor or sampled) sent to a running server; its answers appended to --out as they arrive."""
-    from .conform import load_vectors
-    from .io import OutputLock, ResultWriter, check_output_path
-    from .processor_vectors import is_processor_vectors, load_processor_vectors
-    from .sampled import is_sampled, load_sampled_vectors
-    from .serving import ServerEngine, ServerError, run_vectors
+    from ..conformance.greedy import load_vectors
+    from ..io import OutputLock, ResultWriter, check_output_path
+    from ..conformance.processor_vectors import is_processor_vectors, load_processor_vectors
+    from ..conformance.sampled import is_sampled, load_sampled_vectors
+    from ..conformance.serving import ServerEngine, ServerError, run_vectors
     extra = _extra_fields(args.extra)
     sampled, processors = is_sampled(args.vectors), is_processor_vectors(args.vectors)
     vectors = (load_sampled_vectors(args.vectors) if sampled else load_processor_vectors(args.vectors) if processors
@@ -697,7 +697,7 @@ def _server_outputs_kept(args, out: Path, ids, engine, vectors, extra, ordered: 
     import hashlib
     import json
 
-    from .io import InputError, read_done
+    from ..io import InputError, read_done
     from .resume import RECORD_FORMAT, check_same_run, write_record
     record = dict(format=RECORD_FORMAT, kind="server-outputs", vectors=vectors.manifest.get("checksums"),
                   server=engine.url, api=engine.api, model=args.model, logprobs=args.logprobs, seeds=engine.seeds,
@@ -716,7 +716,7 @@ def _server_outputs_kept(args, out: Path, ids, engine, vectors, extra, ordered: 
 
 
 def _conform_check_sampled(args) -> int:
-    from .sampled import check_samples, load_sampled_vectors, read_sampled_outputs, without_settings
+    from ..conformance.sampled import check_samples, load_sampled_vectors, read_sampled_outputs, without_settings
     if not args.target:
         raise UserError("sampled vectors: --target is required (the checker computes the target's distributions)")
     vectors = load_sampled_vectors(args.vectors, allow_modified=args.allow_modified,
@@ -727,7 +727,7 @@ def _conform_check_sampled(args) -> int:
         outputs = [o for o in outputs if o.get("id") in {r["id"] for r in vectors.rows}]
         print(f"left out: setting(s) {', '.join(left_out) or 'none'} (--without {args.without})", file=sys.stderr)
     target, _, _ = load(args.target, dtype=vectors.manifest["dtype"], device="cpu")
-    from .conform import check_identity
+    from ..conformance.greedy import check_identity
     for line in check_identity(vectors, target):
         print(f"warning: model differs from the vectors' - {line}", file=sys.stderr)
     report = check_samples(vectors, outputs, target, batch_size=args.batch_size)
@@ -740,7 +740,7 @@ def _conform_check_sampled(args) -> int:
 
 
 def _conform_check_greedy(args) -> int:
-    from .conform import check_identity, check_outputs, load_vectors, read_outputs
+    from ..conformance.greedy import check_identity, check_outputs, load_vectors, read_outputs
     vectors = load_vectors(args.vectors, allow_modified=args.allow_modified,
                            warn=lambda message: print(f"warning: {message}", file=sys.stderr))
     outputs, warnings = read_outputs(args.outputs)
@@ -752,10 +752,10 @@ def _conform_check_greedy(args) -> int:
             print(f"warning: model differs from the vectors' - {line}", file=sys.stderr)
     reference = None
     if args.against:
-        from .conform import differential_reference
+        from ..conformance.greedy import differential_reference
         reference = differential_reference(vectors, read_outputs(args.against)[0])
     report = check_outputs(vectors, outputs, ulps=args.tie_ulps, reference=reference, tolerance=args.tie_tolerance)
-    from .conform import coverage_table
+    from ..conformance.greedy import coverage_table
     print(coverage_table(vectors))
     if args.against:
         print(f"reference: {args.against} (the engine's own run), ties within {report.tolerance:.3g} in logprob")
@@ -1091,7 +1091,7 @@ def _add_check_trace(sub) -> None:
 
 
 def main(argv=None) -> int:
-    from .io import InputError, OutputError
+    from ..io import InputError, OutputError
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = shlex.join(["specbatch", *(sys.argv[1:] if argv is None else argv)])  # recorded by bench

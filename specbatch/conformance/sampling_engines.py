@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .fast import rng
-from .fast.sampling import processed_log_probs, residual_distribution, sample_from
+from ..fast import rng
+from ..fast.sampling import processed_log_probs, residual_distribution, sample_from
 
 BUGS = {
     "draft-without-temperature": "the draft samples at temperature 1 while acceptance uses its tempered q "
@@ -125,7 +125,7 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
 
     def sample_fn(prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature, top_k=None, top_p=None,
                   seeds=None, **processors):
-        from .reference.processors import Processors
+        from ..reference.processors import Processors
         proc = Processors(**processors)
         count = len(prompts)
         device = next(target.parameters()).device

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..invariants import check_mask, check_positions
+from ...invariants import check_mask, check_positions
 from .attention import uses_engine_attention
 
 
@@ -40,6 +40,6 @@ def slot_forward(runner, cache, query_index: np.ndarray, ids, settings, grouped:
 
 def storage_dtype(runner, settings):
     """float32 K/V for a half-precision model whose attention is ours where the backend widens it
-    (fast.backend.wide_half_kv: on a CPU); otherwise the model's own dtype."""
+    (fast.compute.backend.wide_half_kv: on a CPU); otherwise the model's own dtype."""
     half = settings.dtype in (torch.bfloat16, torch.float16) and settings.backend.wide_half_kv
     return torch.float32 if half and uses_engine_attention(runner.model) else None

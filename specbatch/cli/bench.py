@@ -16,7 +16,7 @@ each ratio of means the ratios of each repeat's own runs (paired) and their medi
 Each finished run is appended to runs.jsonl in --out-dir at once (outputs and stats, fsync'd),
 so an interrupted bench keeps its runs and `--resume` runs only the rest; at the end bench.json,
 bench.md and two PNG plots are written there. A calibration before and after the runs
-(specbatch.calibration) says whether the figures may be quoted: a drift above 10% or a load
+(specbatch.cli.calibration) says whether the figures may be quoted: a drift above 10% or a load
 average above the cores flags the report NOT QUOTABLE.
 """
 from __future__ import annotations
@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 from . import calibration
-from .errors import UserError
+from ..errors import UserError
 from .machine import describe_machine
-from .options import GenerateOptions, strategy_names
-from .prepare import encode_prompts, load, read_prompt_file
+from ..options import GenerateOptions, strategy_names
+from ..prepare import encode_prompts, load, read_prompt_file
 
-SHIPPED_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"  # bench's default prompt file
+SHIPPED_PROMPTS = Path(__file__).parents[1] / "data" / "prompts.jsonl"  # bench's default prompt file
 
 BROKEN_METHODS = ("bsp-like", "dsd-like")  # deliberately broken variants: the correctness table
 BATCH_ONE = ("spec1", "hf-assisted")
@@ -51,7 +51,7 @@ def hf_assisted(target, draft, ids, max_new, k, eos_ids):
     """transformers' assisted generation, one prompt at a time (greedy); with the lookup draft,
     transformers' own prompt lookup decoding; with a lookup-first draft, its model alone (transformers
     has no such combination)."""
-    from .fast.lookup_draft import LookupFirstDraft, PromptLookupDraft
+    from ..fast.drafts.lookup_draft import LookupFirstDraft, PromptLookupDraft
     if isinstance(draft, LookupFirstDraft):
         draft = draft.model
     if isinstance(draft, PromptLookupDraft):
@@ -84,7 +84,7 @@ def run_method(method, batch, target, draft, ids, opts: GenerateOptions, eos_ids
     strategy = method if method in strategy_names() else ("ragged" if method == "ar" else "eqspec")
     run = dataclasses.replace(opts, strategy=strategy, batch_size=1 if method == "spec1" else batch)
     if method in BROKEN_METHODS:  # they reproduce published mistakes, which drafted k tokens in every row
-        from .api import generate_variant
+        from ..api import generate_variant
         fields = {name: getattr(run, name) for name in GenerateOptions.names() if name not in ("strategy",)}
         result = generate_variant(target, draft, ids, variant=method, progress=f"{method} b{batch}",
                                   **{**fields, "policy": "fixed"})
@@ -158,7 +158,7 @@ def plot(rows, out_dir: Path) -> list[str]:
 
 def prompt_categories(path) -> list[str]:
     """The `category` of each line of a JSONL prompt file (Spec-Bench has one; None where missing)."""
-    from .io import InputError, loads_strict, text_lines
+    from ..io import InputError, loads_strict, text_lines
     lines = [line for line in text_lines(Path(path), "prompt file") if line.strip()]
     try:
         objects = [loads_strict(line, str(path)) for line in lines]
@@ -197,7 +197,7 @@ def read_peer(path, ident_order, UserError) -> tuple[dict, list]:
     """Another engine's results (benchmarks/peer_vllm.py writes them): a header line with `seconds`
     (its generate call's wall time) and optional `label`, then {"id", "token_ids"} per request.
     Returns (header, token ids per prompt in `ident_order`, None where the file has no such id)."""
-    from .io import InputError, loads_strict, text_lines
+    from ..io import InputError, loads_strict, text_lines
     try:
         lines = [loads_strict(line, f"{path}:{n}") for n, line in enumerate(text_lines(Path(path), "--compare file"), 1)
                  if line.strip()]
@@ -333,7 +333,7 @@ def finite_or_none(stats: dict) -> dict:
 
 def check_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
     """Nothing replaced unless asked: a folder holding a bench's files needs --resume or --overwrite."""
-    from .io import InputError, check_not_replacing
+    from ..io import InputError, check_not_replacing
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out-dir {out_dir} is not a folder")
     try:
@@ -348,7 +348,7 @@ def check_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
 def open_journal(path: Path, units, args, opts, target, draft, prompt_file):
     """The journal of finished runs (one fsync'd line each, with its outputs and stats), checked
     against this bench's settings on --resume, started afresh otherwise."""
-    from .io import InputError, ResultWriter, read_done
+    from ..io import InputError, ResultWriter, read_done
     from .resume import check_same_run, run_record, write_record
     record = run_record(target_spec=args.target, draft_spec=args.draft, target=target, draft=draft,
                         prompts_file=prompt_file, chat_template=args.chat_template, options=opts)
@@ -367,7 +367,7 @@ def open_journal(path: Path, units, args, opts, target, draft, prompt_file):
 def run_bench(args, opts: GenerateOptions) -> int:
     """`specbatch bench`: args holds the bench's own flags (methods, batch sizes, repeats, files), opts
     everything about decoding (the defaults in force for "bench" under the flags given)."""
-    from .fast.models import eos_ids_of
+    from ..fast.models import eos_ids_of
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in known_methods()]
     if unknown:

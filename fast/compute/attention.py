@@ -14,7 +14,7 @@ half-precision inputs), times v, with grouped-query heads handled by a view inst
 On this CPU it is faster than SDPA's kernel for the few-query shapes of decoding and verifying
 (and much faster in bfloat16); many-query forwards (prefill) go to SDPA.
 
-On an accelerator (fast.backend: `grouped_attention` off) every forward is one group over all rows,
+On an accelerator (fast.compute.backend: `grouped_attention` off) every forward is one group over all rows,
 read up to the longest visible length, and every product is one fused SDPA call (`Plan.fused`):
 a kernel launch per group costs more there than the slots grouping saves.
 
@@ -310,7 +310,7 @@ def _configs(modules):
 @contextmanager
 def engine_attention(*modules, fused: bool = False):
     """Use specbatch_attention in every model inside `modules` for the duration of the block; fused:
-    one group of rows and SDPA's kernels (fast.backend)."""
+    one group of rows and SDPA's kernels (fast.compute.backend)."""
     register()
     configs = _configs(modules)
     before = [c._attn_implementation for c in configs]

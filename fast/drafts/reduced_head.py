@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-from .lean_llama import LeanLlama, linear_from, supported
-from .models import cache_argument
+from ..compute.lean_llama import LeanLlama, linear_from, supported
+from ..models import cache_argument
 
 
 def restricted_head(head: torch.nn.Linear, token_ids) -> tuple[torch.nn.Linear, torch.Tensor]:
@@ -61,7 +61,7 @@ class ReducedHeadDraft(torch.nn.Module):
     """`model` (a Hugging Face causal LM) with its output head restricted to `token_ids`.
 
     feature_projection: an optional [hidden, target hidden] weight. The draft then also reads the
-    target's features (fast.feature_draft): at content index j its input embedding is
+    target's features (fast.drafts.feature_draft): at content index j its input embedding is
     embed(t_j) + P f_{j-1}; forward(features=None), past the content where the target has not yet
     seen the tokens, reads zero (training/train_conditioned_draft.py trains it so).
     forward(subset_logits=True) returns SubsetLogits instead of the whole vocabulary's logits."""

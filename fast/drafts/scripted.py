@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..reference.drafts import DeviateRule
-from .models import WeightlessLM, cache_argument
+from ...reference.drafts import DeviateRule
+from ..models import WeightlessLM, cache_argument
 
 # Two imposed distributions over 3 tokens, table[position, previous token] (positions past 2 reuse 2)
 IMPOSED_P = np.array([[[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]],

@@ -15,7 +15,7 @@ settings, and rows that cannot draft (a budget of 1), share batches. An engine i
 
 with settings one dict per request (keys SETTING_KEYS; an absent key is the default). The reference
 keeps the processed top logits along each answer, so a divergence is judged a floating-point tie or
-algorithmic as in specbatch.conform.
+algorithmic as in specbatch.conformance.greedy.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .conform import ROUND, TOP, Report, VectorError, _default_ulps, judge, model_identity
-from .reference.processors import Processors, process_logits, processed_greedy_decode, stop_text
+from .greedy import ROUND, TOP, Report, VectorError, _default_ulps, judge, model_identity
+from ..reference.processors import Processors, process_logits, processed_greedy_decode, stop_text
 
 FORMAT, VERSION = "specbatch-processors", 1
 SETTING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "stop")
@@ -56,7 +56,7 @@ def _logits_fn(target):
     import torch
     from transformers import DynamicCache
 
-    from .fast.models import cache_argument
+    from ..fast.models import cache_argument
     keyword, last = cache_argument(target), {}
 
     def logits_of(ids):
@@ -135,7 +135,7 @@ def make_processor_vectors(target, *, tokenizer=None, seed: int = 0, candidates:
     """Vectors for `target` (in memory): per_class requests of every class, each picked among
     `candidates` random prompts where its processors change the answer inside the first round; with
     `tokenizer`, the stop-string classes too (text decoded without special tokens)."""
-    from .fast.models import eos_ids_of
+    from ..fast.models import eos_ids_of
     rng = np.random.default_rng(seed)
     identity = model_identity(target)
     vocab, eos = identity["vocab_size"], [int(e) for e in eos_ids_of(target)]
@@ -270,7 +270,7 @@ def check_processor_outputs(vectors: ProcessorVectors, outputs, ulps: float | No
     the reference (an output's `logprobs`, one number per token, or `top`, [[token, logprob], ...] per
     token) against the reference's, within `tolerance` (default: the tie tolerance of the dtype's
     logprobs, conform.logprob_tolerance)."""
-    from .conform import logprob_tolerance
+    from .greedy import logprob_tolerance
     dtype = vectors.manifest["dtype"]
     ulps = vectors.manifest["tie_ulps_default"] if ulps is None else ulps
     if logprobs not in (None, "raw", "processed"):

@@ -10,7 +10,7 @@ far less capacity to guess the next one. Here, at content index j the draft read
 runs one Llama decoder layer at the target's width over x_0..x_j (causal, with a K/V cache like any
 model) and a final RMS norm, and its output is its estimate f^_j of the target's feature; the draft's logits are the
 target's LM head applied to f^_j, restricted to the tokens it was trained to predict
-(fast.reduced_head does the same for the token draft). Drafting one token past the content uses
+(fast.drafts.reduced_head does the same for the token draft). Drafting one token past the content uses
 f^ in place of f: step s of a round reads (proposal_s, f^ of the step before).
 
 What the engine keeps (fast.strategies.ragged): `FeatureBuffer`, each slot row's f_j for every
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from .lean_llama import LeanBlock
+from ..compute.lean_llama import LeanBlock
 from .reduced_head import SubsetLogits, restricted_head
 
 
@@ -141,7 +141,7 @@ class FeatureDraft(torch.nn.Module):
     (or the last query's) and `.features`, f^ [B, Q, H] of every query (the feature head: of the kept
     queries only, since its queries do not depend on each other); features[b, q] must be f_{j-1} for
     the token at content index j (zero at j = 0). subset_logits=True: the logits as
-    fast.reduced_head.SubsetLogits."""
+    fast.drafts.reduced_head.SubsetLogits."""
 
     reads_features = True
     returns_subset = True  # forward(subset_logits=True) is understood

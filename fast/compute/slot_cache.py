@@ -9,7 +9,7 @@ the first `kv_len` slots of those rows;
 the 4D mask the engine passes hides everything but content 0..q of the row (I4), so stale slots
 (rejected drafts, earlier requests) need no clearing (proofs_notes/ragged.md).
 
-A packed prefill (fast.prefill) is the other kind of forward: one sequence holding the prompts of
+A packed prefill (fast.compute.prefill) is the other kind of forward: one sequence holding the prompts of
 several rows back to back. `prepare_packed` gives each query its own slot row and content index;
 `update` scatters the K/V there and returns the pack's own K/V, which is all a fresh prompt can
 see (the block-diagonal mask keeps prompts apart).
@@ -91,7 +91,7 @@ class SlotCache(Cache):
     def prepare_flat(self, token_row: torch.Tensor, token_index: torch.Tensor, count: int, kv_len: int) -> None:
         """Set up a flat forward over slot rows 0..count-1: query t of the single sequence belongs to
         row token_row[t] at content index token_index[t]. The layers return views of the rows' first
-        kv_len slots; fast.attention.flat_attention pairs each query with its own row."""
+        kv_len slots; fast.compute.attention.flat_attention pairs each query with its own row."""
         self.rows, self.packed = count, False
         self.row_of_query = token_row[None]
         self.write_slot = self._write_slots(token_index[None])

@@ -2,7 +2,7 @@
 
 An engine deployed as a server is judged like any other engine: `ServerEngine(url, api)` is an
 engine of the kit's protocols (`generate_fn` for greedy vectors, `sample_fn` for sampled ones), so
-`specbatch.testing.check_engine(ServerEngine(url), vectors)` works, and `run_vectors` sends a
+`specbatch.conformance.testing.check_engine(ServerEngine(url), vectors)` works, and `run_vectors` sends a
 folder of vectors (greedy or sampled) concurrently, appending each answer to an outputs file as it
 arrives (`--resume` sends only what is missing).
 
@@ -37,9 +37,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from .conform import _is_int
-from .conform import _token_list as _ids
-from .errors import UserError
+from .greedy import _is_int
+from .greedy import _token_list as _ids
+from ..errors import UserError
 from .sampled import PROCESSOR_KEYS
 
 
@@ -320,7 +320,7 @@ class ServerEngine:
                 raise
         return answers
 
-    # the kit's engine protocols (specbatch.testing)
+    # the kit's engine protocols (specbatch.conformance.testing)
     def __call__(self, prompts, max_new_tokens, eos_token_ids, batch_size, *, temperature=0.0, top_k=None,
                  top_p=None, seeds=None, **processors) -> list:
         seeds = list(seeds) if seeds is not None and self.seeds else [None] * len(prompts)
@@ -330,7 +330,7 @@ class ServerEngine:
         return [answers[a.id].token_ids for a in asks]
 
     def with_settings(self, prompts, max_new_tokens, eos_token_ids, batch_size, settings) -> list:
-        """The processor protocol (specbatch.processor_vectors): greedy, one settings dict per request."""
+        """The processor protocol (specbatch.conformance.processor_vectors): greedy, one settings dict per request."""
         asks = [Ask(str(i), list(p), int(m), list(eos_token_ids), processors=dict(s))
                 for i, (p, m, s) in enumerate(zip(prompts, max_new_tokens, settings))]
         answers = self.run(asks, self.concurrency or batch_size)

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .models import WeightlessLM, abilities_of, cache_argument
+from ..models import WeightlessLM, abilities_of, cache_argument
 from .reduced_head import full_logits
 
 
@@ -145,7 +145,7 @@ class LookupFirstDraft(torch.nn.Module):
 
     @property
     def reads_features(self) -> bool:
-        """Whether the model behind the lookup reads the target's features (fast.feature_draft)."""
+        """Whether the model behind the lookup reads the target's features (fast.drafts.feature_draft)."""
         return abilities_of(self.model).reads_features
 
     @property

@@ -6,7 +6,7 @@ import os
 import platform
 from pathlib import Path
 
-# The instruction-set extensions the CPU kernels choose between (fast.kernels pads on AVX-512).
+# The instruction-set extensions the CPU kernels choose between (fast.compute.kernels pads on AVX-512).
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 

@@ -60,9 +60,9 @@ def prefill_into(runner, cache: SlotCache, contents: list[list[int]], slot_rows:
 
     I2 and I4 of each pack's positions and mask go to settings.observer.
     route(rows [1, T], index [1, T]) -> extra keyword arguments of the pack's forward, given each
-    token's slot row and content index (fast.feature_draft: where the target's features go, and
+    token's slot row and content index (fast.drafts.feature_draft: where the target's features go, and
     the features a feature draft reads)."""
-    from ..invariants import check_packed_forward
+    from ...invariants import check_packed_forward
     s = settings
     for pack in plan_packs([len(c) for c in contents]):
         ids, pos, mask, segment = packed_inputs([contents[i] for i in pack], s.window, s.dtype, s.fill, s.device)

@@ -15,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .io import InputError, loads_strict, replace_atomically, text_lines
+from ..io import InputError, loads_strict, replace_atomically, text_lines
 
 RESUMABLE = ("batch_size", "max_wait", "pool_window")  # GenerateOptions fields a resume may change
 RECORD_FORMAT = "specbatch-results-settings"
@@ -27,7 +27,7 @@ def settings_path(out) -> Path:
 
 def _identity(model) -> dict | None:
     """Config and weights hashes of a model (for a draft wrapping a model, of that model)."""
-    from .conform import model_identity
+    from ..conformance.greedy import model_identity
     inner = getattr(model, "model", None)
     for candidate in (model, inner):
         if candidate is not None and hasattr(candidate, "config") and hasattr(candidate, "state_dict"):
@@ -45,7 +45,7 @@ def run_record(*, target_spec: str, draft_spec: str | None, target, draft, promp
                options, tensor_parallel: int = 1) -> dict:
     """The record of a run: everything that decides its outputs (a tensor-parallel degree above 1
     too: the all-reduces round differently, so float32 outputs may differ at ties)."""
-    from . import __version__
+    from .. import __version__
     decisive = {name: value for name, value in dataclasses.asdict(options).items() if name not in RESUMABLE}
     decisive["device"] = str(decisive["device"]).split(":")[0]  # the device type: cuda:0 and cuda:1 are alike
     decisive = json.loads(json.dumps(decisive))  # as the file holds it: lists, string keys

@@ -9,7 +9,7 @@ hundred small tensor operations. This module computes the same function with les
 - RMS norms by torch's fused rms_norm, the rotary angles computed once per forward by the model's
   own rotary module and applied to the query and key heads together (transformers' rotate_half,
   the arithmetic of its apply_rotary_pos_emb),
-- attention by fast.attention.specbatch_attention, the engine's own: the mask the engine passes
+- attention by fast.compute.attention.specbatch_attention, the engine's own: the mask the engine passes
   decides what each query sees (I4) and the engine's row plan applies, exactly as in the model,
 - the cache updated through `Cache.update`, so every layout's cache works (DynamicCache in the
   rectangular layouts, SlotCache in the ragged one).
@@ -105,7 +105,7 @@ class LeanLlama(torch.nn.Module):
         self.rotary = base.rotary_emb
 
     def forward(self, input_ids, position_ids, attention_mask, cache, added=None, final_norm=True):
-        """added: [B, Q, hidden] added to the token embeddings (fast.reduced_head's feature input).
+        """added: [B, Q, hidden] added to the token embeddings (fast.drafts.reduced_head's feature input).
         final_norm=False: the last block's output, before the model's final norm."""
         hidden = self.embed(input_ids) if added is None else self.embed(input_ids) + added
         cos, sin = self.rotary(hidden, position_ids)
@@ -124,7 +124,7 @@ class LeanOutput:
 
 class LeanCausalLM(torch.nn.Module):
     """A Llama causal LM (`supported(model)`) as the engine's target runs it: LeanLlama's blocks, then
-    the model's own final norm module (so that hooks on it run: fast.feature_draft reads the target's
+    the model's own final norm module (so that hooks on it run: fast.drafts.feature_draft reads the target's
     features there) and its own head. Called like the model by fast.models.ModelRunner."""
 
     def __init__(self, model):

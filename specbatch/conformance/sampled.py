@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .conform import (VectorError, _is_int, _jsonl, _token_list, check_manifest_digest, file_digest, manifest_digest,
+from .greedy import (VectorError, _is_int, _jsonl, _token_list, check_manifest_digest, file_digest, manifest_digest,
                       model_identity)
 
 FORMAT, VERSION = "specbatch-sampled", 2  # 2: the manifest's digest of the fields that decide verdicts
@@ -108,7 +108,7 @@ def _repeating_prompts(target, rng, count: int, max_new_tokens: int, vocab: int,
 
 def setting_processors(setting: dict):
     """The reference.processors.Processors of a setting (its logit_bias keys as ints, as JSON loses them)."""
-    from .reference.processors import Processors
+    from ..reference.processors import Processors
     return Processors(**processor_kwargs(setting))
 
 
@@ -129,7 +129,7 @@ def sampled_vectors(target, *, prompts=None, samples: int = 512, requests_per_se
     give more for an engine that also stops at other end tokens it cannot be told to ignore, such as
     llama.cpp's end-of-generation set); processors: the settings of processor_settings instead, and
     by default prompts whose greedy continuation repeats itself early (_repeating_prompts)."""
-    from .fast.models import eos_ids_of
+    from ..fast.models import eos_ids_of
     if samples < 4 or samples % 4:
         raise VectorError(f"samples must be a positive multiple of 4, got {samples}")
     rng = np.random.default_rng(seed)
@@ -291,7 +291,7 @@ def _processed(flat, setting: dict, prompts, continuations, eos_ids):
     each row processed from its own prefix: the reference's process_logits, row by row."""
     import torch
 
-    from .reference.processors import process_logits
+    from ..reference.processors import process_logits
     proc = setting_processors(setting)
     if not proc.changes_logits:
         return flat
@@ -337,7 +337,7 @@ def _continuation_logits(target, prompts, continuations):
             if cached:
                 from transformers import DynamicCache
 
-                from .fast.models import cache_argument
+                from ..fast.models import cache_argument
                 keyword = cache_argument(target)  # `cache` in current transformers
                 prompt = list(prompts[start])
                 cache = DynamicCache(config=target.config)

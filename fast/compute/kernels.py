@@ -140,7 +140,7 @@ def compiled_blocks(*models, enabled: bool = False, cache_dir=None):
 
     import torch._dynamo
     import torch._inductor.config as inductor_config
-    from .loading import cache_dir as default_cache_dir
+    from ..loading import cache_dir as default_cache_dir
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir or default_cache_dir() / "inductor"))
     modules = _compilable(models)
     saved = (inductor_config.freezing, torch._dynamo.config.cache_size_limit)

@@ -126,7 +126,7 @@ class StubServer:
     def _generate(self, requests: list[dict]) -> list[list[int]]:
         import specbatch
 
-        from .options import defaults
+        from ..options import defaults
         from .sampled import PROCESSOR_KEYS
         from .testing import broken_sampling_engine, padded_batch_engine
         columns = {key: [r["processors"].get(key, getattr(defaults(), key)) for r in requests]
@@ -155,7 +155,7 @@ class StubServer:
     def top_logprobs(self, prompt: list[int], answer: list[int], count: int) -> list:
         """[[token, logprob] x count, and the answer token's when it ranks lower] at every answer
         position, from one unpadded forward (raw: the model's log-softmax)."""
-        from .conform import _top_logits
+        from .greedy import _top_logits
         model = self.draft if self.bug == "draft-logprobs" and self.draft is not None else self.target
         every = _top_logits(model, prompt, answer, top=model.get_output_embeddings().weight.shape[0], log_softmax=True)
         # as vLLM: the top `count` and the chosen token's own, wherever it ranks
