@@ -7,8 +7,6 @@ For the imposed pair the expected per-draft acceptance is known: 1 - TV(p, q) fo
 sampling and at least (1 - TV) / (1 + TV) for coupled sampling.
 """
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from specbatch.cli.machine import describe_machine
 from specbatch.prepare import load
-from specbatch.conformance.sampled import SampledVectors, check_samples, load_sampled_vectors, read_sampled_outputs
+from specbatch.conformance.sampled import check_samples, load_sampled_vectors, read_sampled_outputs
 from specbatch.conformance.testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
 
 

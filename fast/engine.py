@@ -218,8 +218,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     for step in range(int(rule.limit.max(initial=0))):
         found = lookup_step(step, ids) if lookup_step is not None else None
         if step == 0:  # one small host copy: which rows draft by lookup
-            if found is not None:
-                lookup_rows = (found.matched > 0).cpu().numpy()
+            lookup_rows = (found.matched > 0).cpu().numpy() if found is not None else lookup_rows
             active = rule.begin(~lookup_rows)
             if not active.any():
                 break
@@ -245,11 +244,9 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         proposed += proposes
         if not active.any():
             break
-    drafted = _so_far(steps, rows, device)
-    q = torch.stack(dists, dim=1) if steps and settings.chooser.needs_q else None
-    confidence = torch.stack(confidences, dim=1) if steps else None
-    host_confidence = np.stack(host, axis=1) if host else None
-    return Proposals(drafted, q, confidence, proposed, rule, len(steps), model_steps, lookup_rows, host_confidence)
+    q = _stacked(dists) if settings.chooser.needs_q else None
+    return Proposals(_so_far(steps, rows, device), q, _stacked(confidences), proposed, rule, len(steps), model_steps,
+                     lookup_rows, np.stack(host, axis=1) if host else None)
 
 
 def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, waiting: bool):
@@ -268,6 +265,11 @@ def _choose_drafts(settings: Settings, logits, requests, index, found, lookup_ro
         return settings.chooser.draft(logits, requests, index, **prefix)
     use = torch.as_tensor(lookup_rows, device=found.matched.device) | (found.matched > 0)
     return settings.chooser.draft(logits, requests, index, found, use, **prefix)
+
+
+def _stacked(per_step: list):
+    """A round's per-step tensors [R, ...] as one [R, s, ...], or None when no step ran."""
+    return torch.stack(per_step, dim=1) if per_step else None
 
 
 def _so_far(steps: list, rows: int, device) -> torch.Tensor:

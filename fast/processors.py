@@ -14,7 +14,6 @@ round ([R, V], never [requests, V]), so memory does not grow with the number of 
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..reference.processors import Processors, stop_cut

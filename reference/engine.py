@@ -13,9 +13,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..invariants import (TraceWriter, Violation, check_alignment, check_conservation, check_kv, check_mask, check_positions,
-                          check_round_commit, mask_strings, raise_if)
-from .pool import ExspecPool, FixedBatches, SlotQueue
+from ..invariants import (Violation, check_alignment, check_kv, check_mask, check_positions, check_round_commit, mask_strings,
+                          raise_if)
 from .rounds import commit_counts, committed_tokens, greedy_accept, proposal_lengths, ragged_commit, softmax_max
 from .state import RaggedState, RectState, query_mask
 

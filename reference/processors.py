@@ -20,7 +20,7 @@ that token, the text ends just before the stop string, and nothing after is retu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -41,6 +41,9 @@ class Processors:
     def changes_logits(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or bool(self.logit_bias) or self.min_tokens > 0)
+
+
+PROCESSOR_SETTINGS = tuple(f.name for f in fields(Processors))  # every processor setting, by name
 
 
 def process_logits(logits, prompt, generated, proc: Processors, eos_ids=()) -> np.ndarray:

@@ -23,7 +23,7 @@ from .options import (GenerateOptions, check_arrivals, check_choice, check_logit
                       check_stop, check_token_id, check_token_ids, per_prompt, resolve,
                       stops_per_prompt)
 from .fast.strategies import BROKEN, STRATEGIES
-from .reference.processors import Processors, stop_text
+from .reference.processors import PROCESSOR_SETTINGS, Processors, stop_text
 
 
 def decode_text(tokens, tokenizer) -> str:
@@ -59,12 +59,12 @@ def make_processors(opts: GenerateOptions, ids, max_new, eos_ids, vocab: int, de
     stops = stops_per_prompt(opts.stop, count)
     if any(stops) and tokenizer is None:
         raise ValueError("stop strings are judged on the decoded text: pass tokenizer= with stop=")
-    column = lambda name: per_prompt(name, getattr(opts, name), count)  # noqa: E731
-    settings = [Processors(repetition_penalty=float(r), presence_penalty=float(p), frequency_penalty=float(f),
-                           logit_bias=bias, min_tokens=int(m), min_p=float(mp), stop=stop)
-                for r, p, f, bias, m, mp, stop in zip(column("repetition_penalty"), column("presence_penalty"),
-                                                      column("frequency_penalty"), biases, column("min_tokens"),
-                                                      column("min_p"), stops)]
+    special = dict(logit_bias=biases, stop=stops)  # checked above; every other setting is one number per request
+    default = Processors()
+    columns = {name: special[name] if name in special else
+               [type(getattr(default, name))(v) for v in per_prompt(name, getattr(opts, name), count)]
+               for name in PROCESSOR_SETTINGS}
+    settings = [Processors(**{name: column[i] for name, column in columns.items()}) for i in range(count)]
     if not any(s.changes_logits or s.min_p or s.stop for s in settings):
         return None
     decode = (lambda tokens: decode_text(tokens, tokenizer)) if any(stops) else None

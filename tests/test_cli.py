@@ -9,7 +9,7 @@ import torch
 
 import specbatch
 import specbatch.io
-from hf_models import EOS, PROMPTS, VOCAB, WORDS, hf_greedy, save_folder, tiny
+from hf_models import EOS, PROMPTS, VOCAB, WORDS, hf_greedy
 from specbatch.cli.commands import main
 
 def args(folders, prompt_file, *extra):

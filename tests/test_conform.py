@@ -10,7 +10,7 @@ import pytest
 from hf_models import tiny
 from profiles import examples, only_full
 from specbatch.cli.commands import main
-from specbatch.conformance.greedy import CLASSES, check_outputs, load_vectors, make_vectors
+from specbatch.conformance.greedy import CLASSES, check_outputs, load_vectors
 from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.reference import deviate_hashed
 from specbatch.conformance.testing import (ConformanceError, broken_engine, check_engine, cut_at_stop, find_counterexample,

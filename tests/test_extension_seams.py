@@ -144,3 +144,17 @@ def test_a_registered_draft_kind_is_a_cli_draft_and_is_named_among_the_known(ech
     assert "did you mean 'echo'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="already registered"):
         loading.register_draft("lookup", DraftKind(lambda *a: None))
+
+
+def test_every_processor_setting_is_an_option_a_flag_and_a_kit_key():
+    """A processor setting is named once, by its field in reference.processors.Processors; the API's
+    options, the CLI's flags and the kits' keys follow from that name."""
+    from specbatch.conformance.processor_vectors import SETTING_KEYS
+    from specbatch.conformance.sampled import PROCESSOR_KEYS
+    from specbatch.reference.processors import PROCESSOR_SETTINGS
+    generate_help = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    for name in PROCESSOR_SETTINGS:
+        assert name in specbatch.GenerateOptions.names()
+        assert "--" + name.replace("_", "-") in generate_help
+        assert name in SETTING_KEYS or name == "min_p"  # min_p never changes a greedy choice
+        assert name in PROCESSOR_KEYS or name == "stop"  # stop strings: the greedy processor vectors

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from hf_models import PROMPTS, VOCAB, tiny
+from hf_models import tiny
 from specbatch.cli.commands import main
 from specbatch.io import InputError, OutputError, ResultWriter, loads_strict, open_for_writing
 

@@ -13,7 +13,7 @@ from specbatch.fast.sampling import processed_log_probs
 from specbatch.conformance.sampled import (ALPHA, SETTINGS, _node_ids, check_samples, chi2_sf, load_sampled_vectors,
                                make_sampled_vectors, poisson_binomial_sf, reference_probs, sampled_vectors,
                                tv_lower_bound)
-from specbatch.conformance.sampling_engines import BUGS, sampling_engine
+from specbatch.conformance.sampling_engines import sampling_engine
 from specbatch.conformance.testing import (ConformanceError, check_sampling, hf_sampling_engine, run_sampled, sampled_power,
                                specbatch_sampling_engine, toy_sampling_pair)
 

@@ -21,6 +21,7 @@ from ..options import (DTYPES, SAMPLING_MODES, GenerateOptions, OptionError, che
                       strategy_names)
 from .demo import DEMO_DRAFT
 from ..prepare import encode_prompts, load, read_prompt_file, run_generate
+from ..reference.processors import PROCESSOR_SETTINGS
 
 
 class Parser(argparse.ArgumentParser):
@@ -825,7 +826,6 @@ FLAGS = {
     "min_p": dict(type=probability),
     "stop": dict(action="append", metavar="TEXT"),
 }
-PROCESSORS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "min_p", "stop")
 
 
 def add_options(p, names, command=None):
@@ -908,7 +908,7 @@ def _add_generate(sub) -> None:
                    "the part files of an interrupted torchrun run on it)")
     p.add_argument("--trace", type=output_path, help="write a round trace (JSONL) for check-trace")
     p.add_argument("--jsonl-stdout", action="store_true", help="without --out, print JSON lines instead of text")
-    add_options(p, PROCESSORS)
+    add_options(p, PROCESSOR_SETTINGS)
     add_tensor_parallel(p)
     p.set_defaults(run=cmd_generate)
 

@@ -86,7 +86,7 @@ def check_same_run(out, record: dict) -> None:
     if changed:
         raise InputError(f"--resume: {out} was made with other settings ({'; '.join(changed[:3])}"
                          + (f"; {len(changed) - 3} more" if len(changed) > 3 else "")
-                         + f"); rerun with the same settings, or start afresh without --resume (or with another --out)")
+                         + "); rerun with the same settings, or start afresh without --resume (or with another --out)")
 
 
 def check_kept(previous: dict, *, vocab: int, eos_ids, budget: int, where, stops: bool = False) -> None:

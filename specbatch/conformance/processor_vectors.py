@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from .greedy import ROUND, TOP, Report, VectorError, _default_ulps, judge, model_identity
-from ..reference.processors import Processors, process_logits, processed_greedy_decode, stop_text
+from ..reference.processors import PROCESSOR_SETTINGS, Processors, process_logits, processed_greedy_decode, stop_text
 
 FORMAT, VERSION = "specbatch-processors", 1
-SETTING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "stop")
+SETTING_KEYS = tuple(k for k in PROCESSOR_SETTINGS if k != "min_p")  # min_p never changes a greedy choice
 CLASSES = ("repetition-in-round", "frequency-in-round", "presence-in-round", "bias-in-round", "min-tokens-eos", "mixed")
 STOP_CLASSES = ("stop-in-round", "stop-across-rounds")  # with a tokenizer
 STOP_SPANS = {"stop-in-round": (1, 3), "stop-across-rounds": (ROUND - 1, ROUND + 1)}  # new tokens of the stop string

@@ -39,6 +39,7 @@ import numpy as np
 
 from .greedy import (VectorError, _is_int, _jsonl, _token_list, check_manifest_digest, file_digest, manifest_digest,
                       model_identity)
+from ..reference.processors import PROCESSOR_SETTINGS
 
 FORMAT, VERSION = "specbatch-sampled", 2  # 2: the manifest's digest of the fields that decide verdicts
 DECISIVE = ("format", "version", "model_class", "config_sha256", "weights_sha256", "dtype", "vocab_size",
@@ -49,7 +50,7 @@ NODE_MIN = 25  # samples sharing a prefix before their next tokens are tested as
 CELL_MIN = 5.0  # Cochran's rule: expected count of every chi-square cell
 PIT_BINS = 10
 SLACK = 1e-3  # rounding slack at the top-k and top-p boundaries (relative logit, and mass)
-PROCESSOR_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "min_p")
+PROCESSOR_KEYS = tuple(k for k in PROCESSOR_SETTINGS if k != "stop")  # stop strings: the greedy processor vectors
 SETTINGS = (  # temperature below and above 1, top-k, top-p and their combinations
     dict(name="t0.7", temperature=0.7, top_k=None, top_p=None),
     dict(name="t1.3", temperature=1.3, top_k=None, top_p=None),

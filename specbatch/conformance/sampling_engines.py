@@ -130,10 +130,7 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
         count = len(prompts)
         device = next(target.parameters()).device
         budget = torch.tensor(list(max_new_tokens), device=device)
-        prompt_len = torch.tensor([len(p) for p in prompts], device=device)
-        tokens = torch.zeros(count, int((prompt_len + budget).max()) + k + 1, dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = torch.tensor(p)
+        prompt_len, tokens = _prompt_buffer(prompts, budget, k, device)
         made = torch.zeros(count, dtype=torch.long, device=device)  # tokens committed per row
         done = budget <= 0
         eos = torch.tensor(list(eos_token_ids) or [-1], device=device)
@@ -157,10 +154,7 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
             p_at = p[index, accepted]
             dist = p_at
             if planted is not None:  # target-only: every live row is at the same position, made[rows]
-                tv, positions = planted
-                if positions is None or int(made[rows][0]) in positions:
-                    before, dist = dist, move_to_runner_up(dist, tv)
-                    sample_fn.planted += (dist - before).abs().sum(-1).div(2).tolist()
+                dist = _plant(dist, planted, int(made[rows][0]), sample_fn.planted)
             if k:
                 q_at = q[index, accepted.clamp(max=k - 1)]
                 residual = (p_at - q_at).clamp(min=0) if bug == "residual-unnormalised" else \
@@ -179,6 +173,27 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
         return [tokens[i, len(p):len(p) + int(made[i])].tolist() for i, p in enumerate(prompts)]
     sample_fn.planted = []  # with planted: the TV distance of every token drawn at a planted position
     return sample_fn
+
+
+def _prompt_buffer(prompts, budget, k: int, device):
+    """Each row's prompt length [N] and a token buffer [N, T] holding its prompt, room for its
+    budget and one round's k + 1 more."""
+    prompt_len = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = torch.zeros(len(prompts), int((prompt_len + budget).max()) + k + 1, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = torch.tensor(p)
+    return prompt_len, tokens
+
+
+def _plant(dist, planted, position: int, record: list):
+    """dist with the planted deviation applied where position is planted; the TV distance of each
+    moved row goes to record."""
+    tv, positions = planted
+    if positions is not None and position not in positions:
+        return dist
+    moved = move_to_runner_up(dist, tv)
+    record.extend((moved - dist).abs().sum(-1).div(2).tolist())
+    return moved
 
 
 def _streams(seeds, count: int, batch_size: int, bug) -> list:
