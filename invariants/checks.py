@@ -66,6 +66,43 @@ def check_mask(mask, query_index, slot_index, window: int | None = None) -> list
     return out
 
 
+def check_tree_forward(position_ids, mask, content_len, parents, capacity: int, window: int | None = None
+                       ) -> list[Violation]:
+    """I2 and I4 for a tree verify: row i's node j (node 0 the root, the row's pending token;
+    parents[i][j] its parent) has position content_len[i] - 1 + its depth, and sees exactly the
+    cached slots 0..content_len[i] - 2 and its ancestors and itself among the row's nodes, within
+    the window by position. mask [B, Q, capacity + Q]: the cache's slots, then the nodes.
+    Queries past a row's nodes are pads, not checked."""
+    pos, allowed = as_numpy(position_ids), allowed_from_mask(mask)
+    out = []
+    for i, parent in enumerate(parents):
+        chains = []  # per node, the nodes from it up to the root
+        for node in range(len(parent)):
+            chain = [node]
+            while chain[-1] > 0:
+                chain.append(int(parent[chain[-1]]))
+            chains.append(chain)
+        base = int(content_len[i]) - 1
+        for node, chain in enumerate(chains):
+            want_pos = base + len(chain) - 1
+            if pos[i, node] != want_pos:
+                out.append(Violation("I2", f"tree node {node} at depth {len(chain) - 1} has the wrong position",
+                                     row=i, index=node, expected=want_pos, actual=int(pos[i, node])))
+            want = np.zeros(allowed.shape[-1], dtype=bool)
+            want[:max(base, 0)] = True
+            want[[capacity + a for a in chain]] = True
+            if window is not None:
+                slot_pos = np.concatenate([np.arange(capacity), base + np.array([len(c) - 1 for c in chains]),
+                                           np.zeros(allowed.shape[-1] - capacity - len(chains), dtype=np.int64)])
+                want &= slot_pos > want_pos - window
+            for col in np.nonzero(allowed[i, node] != want)[0]:
+                what = "sees a slot it must not" if allowed[i, node, col] else "cannot see a slot of its own path"
+                where = f"slot {col}" if col < capacity else f"node {col - capacity}"
+                out.append(Violation("I4", f"tree node {node} {what} ({where})", row=i, index=int(col),
+                                     expected=bool(want[col]), actual=bool(allowed[i, node, col])))
+    return out
+
+
 def check_packed_forward(position_ids, mask, lengths, window: int | None = None) -> list[Violation]:
     """I2 and I4 for a packed forward: one sequence [1, T] holding several prompts back to back
     (lengths[s] tokens of prompt s, in order). Token j of prompt s must have position j and see

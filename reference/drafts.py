@@ -81,10 +81,10 @@ class ScriptedDraft:
             return 1.0 / np.exp(shifted).sum(axis=-1)
         return self.confidence(*self._last)
 
-    def logits_of(self, sequence):
+    def logits_of(self, sequence, window: int | None = None):
         seq = np.asarray(sequence, dtype=np.int64)
-        logits = self.base.logits_of(seq)[None]
+        logits = self.base.logits_of(seq, window)[None]
         return demote_top(logits, self.deviate(np.arange(1, len(seq) + 1)[None], seq[None]))[0]
 
-    def kv_of(self, sequence):
-        return self.base.kv_of(sequence)
+    def kv_of(self, sequence, window: int | None = None):
+        return self.base.kv_of(sequence, window)

@@ -130,14 +130,14 @@ def prefill(model, prefixes, pad_id, window):
     return [unstack_kv(past, i, state.pad_len[i], len(p)) for i, p in enumerate(prefixes)]
 
 
-def check_row_kv(model, kv, tokens, pending: int, row: int, name: str):
+def check_row_kv(model, kv, tokens, pending: int, row: int, name: str, window: int | None = None):
     """I3 for one row: its cache holds exactly content[:len - pending], each entry equal to a fresh
     unpadded prefill (a rejected draft left behind is an extra entry)."""
     count, want = kv[0][0].shape[0], len(tokens) - pending
     if count != want:
         return [Violation("I3", f"{name} holds {count} entries, expected content 0..{want - 1}", row=row,
                           index=min(count, want), expected=want, actual=count)]
-    fresh = model.kv_of(tokens)
+    fresh = model.kv_of(tokens, window)
     found = []
     for layer in range(model.n_layers):
         for part, label in ((0, "K"), (1, "V")):

@@ -78,30 +78,31 @@ class ToyLM:
         empty = np.zeros((batch, 0, self.dim))
         return [(empty, empty) for _ in range(self.n_layers)]
 
-    def logits_of(self, sequence) -> np.ndarray:
-        """Logits [T, V] of an unpadded sequence computed from scratch: the batch-1 ground truth."""
-        seq = np.asarray(sequence, dtype=np.int64)[None]
-        t = seq.shape[1]
-        causal = np.tril(np.ones((t, t), dtype=bool))[None]
-        logits, _ = self.forward(seq, np.arange(t)[None], self.empty_past(1), causal)
+    def logits_of(self, sequence, window: int | None = None) -> np.ndarray:
+        """Logits [T, V] of an unpadded sequence computed from scratch: the batch-1 ground truth
+        (window: each token sees only the last `window` tokens, itself included)."""
+        logits, _ = self._from_scratch(sequence, window)
         return logits[0]
 
-    def kv_of(self, sequence) -> list:
+    def kv_of(self, sequence, window: int | None = None) -> list:
         """K/V [T, D] per layer of an unpadded sequence computed from scratch (for checking I3)."""
-        seq = np.asarray(sequence, dtype=np.int64)[None]
-        t = seq.shape[1]
-        causal = np.tril(np.ones((t, t), dtype=bool))[None]
-        _, kv = self.forward(seq, np.arange(t)[None], self.empty_past(1), causal)
+        _, kv = self._from_scratch(sequence, window)
         return [(k[0], v[0]) for k, v in kv]
 
+    def _from_scratch(self, sequence, window):
+        seq = np.asarray(sequence, dtype=np.int64)[None]
+        t = np.arange(seq.shape[1])
+        causal = (t[None, :] <= t[:, None]) & ((t[:, None] - t[None, :] < window) if window is not None else True)
+        return self.forward(seq, t[None], self.empty_past(1), causal[None])
 
-def greedy_decode(model: ToyLM, prompt, max_new_tokens: int, eos_ids=()) -> list[int]:
+
+def greedy_decode(model: ToyLM, prompt, max_new_tokens: int, eos_ids=(), window: int | None = None) -> list[int]:
     """Plain autoregressive greedy decoding, batch 1, no padding, no cache: the oracle (I5, I6)."""
     seq = list(prompt)
     new: list[int] = []
     eos = set(int(e) for e in eos_ids)
     while len(new) < max_new_tokens:
-        token = int(np.argmax(model.logits_of(seq)[-1]))
+        token = int(np.argmax(model.logits_of(seq, window)[-1]))
         seq.append(token)
         new.append(token)
         if token in eos:

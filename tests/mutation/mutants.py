@@ -28,6 +28,7 @@ NOTHING_LOST = ["tests/test_nothing_lost.py"]
 GUARDS = ["tests/test_checker_guards.py"]
 PROCESSORS = ["tests/test_processors.py"]
 PROCESSOR_VECTORS = ["tests/test_processor_vectors.py"]
+TREES = ["tests/test_reference_trees.py"]
 
 MUTANTS = [
     # ---- masks
@@ -425,4 +426,22 @@ MUTANTS = [
      "if first is not None and 1 <= first < ROUND:", "if first is not None:", PROCESSOR_VECTORS),
     ("processor-checker-forgives-missing", "processor vectors", "specbatch/conformance/processor_vectors.py",
      "            report.missing.append(r[\"id\"])\n", "", PROCESSOR_VECTORS),
+    # ---- token trees (reference)
+    ("tree-mask-sees-siblings", "trees", "reference/trees.py",
+     "ancestors[i, :tree.size, :tree.size] = tree.ancestors()",
+     "ancestors[i, :tree.size, :tree.size] = np.tril(np.ones((tree.size, tree.size), dtype=bool))", TREES),
+    ("tree-mask-sees-the-stale-root-slot", "trees", "reference/trees.py",
+     "slot < (content - 1)[:, None, None]", "slot <= (content - 1)[:, None, None]", TREES),
+    ("tree-positions-by-node-index", "trees", "reference/trees.py",
+     "positions[i, :tree.size] = content[i] - 1 + tree.depth",
+     "positions[i, :tree.size] = content[i] - 1 + np.arange(tree.size)", TREES),
+    ("tree-kv-in-node-order", "trees", "reference/trees.py",
+     "nodes = [0] + list(path)", "nodes = list(range(len(path) + 1))", TREES),
+    ("tree-accepts-the-first-child", "trees", "reference/trees.py",
+     "match = [int(j) for j in tree.children(node) if tree.tokens[j] == choice[node]]",
+     "match = [int(j) for j in tree.children(node)[:1] if tree.tokens[j] == choice[node]]", TREES),
+    ("tree-checker-forgives-siblings", "trees", "invariants/checks.py",
+     "want[[capacity + a for a in chain]] = True", "want[capacity:capacity + len(parent)] = True", TREES),
+    ("tree-checker-positions-by-index", "trees", "invariants/checks.py",
+     "want_pos = base + len(chain) - 1", "want_pos = base + node", TREES),
 ]
