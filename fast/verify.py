@@ -12,6 +12,27 @@ def greedy_accept(drafted: torch.Tensor, choice: torch.Tensor, limit: torch.Tens
     return agree.long().cumprod(dim=1).sum(dim=1)
 
 
+def greedy_tree_path(choice: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, size: torch.Tensor):
+    """(path [R, W], accepted [R]): each row's accepted nodes in order (path[i, :accepted[i]]; -1
+    after), walking from the root to the child that carries the target's choice at the current node
+    while one does (reference.trees.greedy_path). choice, tokens, parent [R, W] per node; size [R]
+    nodes per row, the root included. Siblings carry distinct tokens, so the child is unique."""
+    rows, width = choice.shape
+    real = torch.arange(width, device=choice.device)[None, :] < size[:, None]
+    node = torch.zeros(rows, dtype=torch.long, device=choice.device)
+    path = torch.full((rows, width), -1, dtype=torch.long, device=choice.device)
+    going = torch.ones(rows, dtype=torch.bool, device=choice.device)
+    for depth in range(width - 1):
+        wanted = choice.gather(1, node[:, None])  # [R, 1]: the target's token after the current node
+        match = real & (parent == node[:, None]) & (tokens == wanted) & going[:, None]
+        going = match.any(dim=1)
+        if not going.any():
+            break
+        node = torch.where(going, match.long().argmax(dim=1), node)
+        path[:, depth] = torch.where(going, node, path[:, depth])
+    return path, (path >= 0).sum(dim=1)
+
+
 def commit_counts(choice: torch.Tensor, accepted: torch.Tensor, remaining: torch.Tensor, eos: torch.Tensor):
     """(n, hit_eos): tokens committed per row, min(accepted + 1, remaining, first new EOS + 1) (I6).
 

@@ -111,9 +111,13 @@ class FlatPart:
 
 
 def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None, dtype, fill: float,
-              device) -> list[FlatPart]:
+              device, position=None, ancestors=None) -> list[FlatPart]:
     """The parts of a flat forward whose query t belongs to row token_row[t] (rows 0..R-1, each row's
-    queries consecutive and in order) at content index token_index[t]."""
+    queries consecutive and in order) at content index token_index[t].
+
+    A tree verify (fast.layout.TreeLayout) also gives each query its position [N] and the nodes of
+    its row it sees, ancestors [N, W]: token_index is then the query's scratch slot, and the mask is
+    tree_visibility's."""
     token_row, token_index = np.asarray(token_row), np.asarray(token_index)
     rows = int(token_row.max()) + 1
     start = np.searchsorted(token_row, np.arange(rows))
@@ -129,9 +133,12 @@ def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None
         tokens = start[index][:, None] + np.minimum(j, count[index][:, None] - 1)
         query = np.where(real, token_index[tokens], -1)
         slot = np.arange(length)[None, None, :]
-        seen = (slot <= query[:, :, None]) & real[:, :, None]
-        if window is not None:
-            seen &= slot > query[:, :, None] - window
+        if ancestors is None:
+            seen = (slot <= query[:, :, None]) & real[:, :, None]
+            if window is not None:
+                seen &= slot > query[:, :, None] - window
+        else:
+            seen = tree_visibility(start[index], tokens, real, position, ancestors, length, window)
         mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(torch.as_tensor(~seen), fill)[:, None]
         cells = np.nonzero(real.reshape(-1))[0]
         parts.append(FlatPart(members if isinstance(members, slice) else torch.as_tensor(members, device=device),
@@ -139,6 +146,27 @@ def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None
                               mask.to(device), torch.as_tensor(cells, device=device),
                               torch.as_tensor(tokens.reshape(-1)[cells], device=device)))
     return parts
+
+
+def tree_visibility(root: np.ndarray, tokens: np.ndarray, real: np.ndarray, position: np.ndarray,
+                    ancestors: np.ndarray, length: int, window: int | None) -> np.ndarray:
+    """[n, Qmax, length] bool: what each tree query sees (I4 for trees). root [n]: flat index of each
+    row's root, whose slot is c - 1; node b of the row sits in slot c - 1 + b. A query sees slots
+    0..c - 2 and the slots of its ancestors and itself; within a window, only those whose position
+    (a slot's own number below the root, the node's position from the root on) is within it."""
+    root_slot = position[root]  # the root sits at depth 0: its position is its slot, c - 1
+    slot = np.arange(length)[None, None, :]
+    node = slot - root_slot[:, None, None]  # [n, 1, length]: node number of a tree slot
+    width = ancestors.shape[1]
+    in_tree = (node >= 0) & (node < width)
+    node_c = np.clip(node, 0, width - 1)
+    seen_tree = np.take_along_axis(ancestors[tokens], np.broadcast_to(node_c, tokens.shape + (length,)), axis=2)
+    seen = (slot < root_slot[:, None, None]) | (in_tree & seen_tree)
+    if window is not None:
+        node_position = position[np.minimum(root[:, None] + node_c[:, 0, :], len(position) - 1)]  # [n, length]
+        slot_position = np.where(in_tree[:, 0, :], node_position, slot[:, 0, :])
+        seen &= slot_position[:, None, :] > position[tokens][:, :, None] - window
+    return seen & real[:, :, None]
 
 
 @dataclass(frozen=True)

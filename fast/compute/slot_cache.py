@@ -113,6 +113,17 @@ class SlotCache(Cache):
                     layer.keys[dst, :, :count] = layer.keys[src, :, :count]
                     layer.values[dst, :, :count] = layer.values[src, :, :count]
 
+    def keep_path(self, rows: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
+        """After a tree verify: row rows[m]'s slots source[m, j] are copied to target[m, j], in every
+        layer (the accepted path's scratch slots to its content slots; entries past a row's path
+        name the trash slot in both). Every source is read before anything is written."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                with torch.inference_mode():
+                    for buffer in (layer.keys, layer.values):
+                        moved = buffer[rows[:, None], :, source]  # [M, L, H, D]
+                        buffer[rows[:, None], :, target] = moved
+
     def slot_values(self, layer: int, row: int, count: int):
         """Keys and values [count, H, D] held by slots 0..count-1 of one row (for checking I3)."""
         lay = self.layers[layer]

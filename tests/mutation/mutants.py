@@ -29,6 +29,7 @@ GUARDS = ["tests/test_checker_guards.py"]
 PROCESSORS = ["tests/test_processors.py"]
 PROCESSOR_VECTORS = ["tests/test_processor_vectors.py"]
 TREES = ["tests/test_reference_trees.py"]
+TREE_VERIFY = ["tests/test_tree_verify.py"]
 
 MUTANTS = [
     # ---- masks
@@ -444,4 +445,19 @@ MUTANTS = [
      "want[[capacity + a for a in chain]] = True", "want[capacity:capacity + len(parent)] = True", TREES),
     ("tree-checker-positions-by-index", "trees", "invariants/checks.py",
      "want_pos = base + len(chain) - 1", "want_pos = base + node", TREES),
+    # ---- token trees (torch engine's tree verify)
+    ("engine-tree-mask-sees-siblings", "trees", "fast/compute/attention.py",
+     "seen = (slot < root_slot[:, None, None]) | (in_tree & seen_tree)",
+     "seen = (slot < root_slot[:, None, None]) | (in_tree & (node <= (tokens - root[:, None])[:, :, None]))",
+     TREE_VERIFY),
+    ("engine-tree-window-by-slot", "trees", "fast/compute/attention.py",
+     "slot_position = np.where(in_tree[:, 0, :], node_position, slot[:, 0, :])",
+     "slot_position = slot[:, 0, :]", TREE_VERIFY),
+    ("engine-tree-positions-by-node", "trees", "fast/layout.py",
+     "content[token_row] - 1 + depth[token_row, column]", "content[token_row] - 1 + column", TREE_VERIFY),
+    ("engine-tree-path-not-moved", "trees", "fast/compute/slot_cache.py",
+     "moved = buffer[rows[:, None], :, source]", "moved = buffer[rows[:, None], :, target]", TREE_VERIFY),
+    ("engine-tree-accepts-any-node", "trees", "fast/verify.py",
+     "match = real & (parent == node[:, None]) & (tokens == wanted) & going[:, None]",
+     "match = real & (tokens == wanted) & going[:, None]", TREE_VERIFY),
 ]
