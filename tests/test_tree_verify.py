@@ -77,6 +77,8 @@ def test_one_tree_verify_gives_every_node_its_own_logits_and_keeps_only_the_path
     def likely_after(content):
         return lambda path: int(scratch_logits(model, content + list(path[1:])).argmax())
     trees = [random_tree(rng, c[-1], int(rng.integers(0, 9)), VOCAB, likely_after(c)) for c in contents]
+    contents.append(rng.integers(0, VOCAB, 7).tolist())  # a sibling first, then a path of depth 4 under the
+    trees.append(Tree(np.array([contents[-1][-1], 1, 2, 3, 4, 5]), np.array([-1, 0, 0, 2, 3, 4])))  # other one
     runner, settings, cache, layout, logits = tree_verify(model, contents, trees, window)
 
     for i, (content, tree) in enumerate(zip(contents, trees)):
