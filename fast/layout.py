@@ -87,7 +87,7 @@ class TreeLayout:
         start = np.cumsum(size) - size
         column = np.arange(len(token_row)) - start[token_row]
         gather = start[:, None] + np.minimum(np.arange(width)[None, :], size[:, None] - 1)
-        return cls(content, size, start, token_row, column, content[token_row] - 1 + column,
+        return cls(content, size, start, token_row, column, content[token_row] + column - 1,
                    content[token_row] - 1 + depth[token_row, column], ancestors[token_row, column], parent, gather)
 
     @property
