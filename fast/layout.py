@@ -78,11 +78,13 @@ class TreeLayout:
         ancestors = np.zeros((len(size), width, width), dtype=bool)
         for i, row in enumerate(parents):
             parent[i, :len(row)] = row
-            ancestors[i, 0, 0] = True
-            for node in range(1, len(row)):
-                depth[i, node] = depth[i, row[node]] + 1
-                ancestors[i, node] = ancestors[i, row[node]]
-                ancestors[i, node, node] = True
+        every = np.arange(len(size))
+        ancestors[:, 0, 0] = True
+        for node in range(1, width):  # parents come first: node's parent is final already, in every row
+            up = np.maximum(parent[:, node], 0)  # nodes past a row's last hang under its root, unread
+            depth[:, node] = depth[every, up] + 1
+            ancestors[:, node] = ancestors[every, up]
+            ancestors[:, node, node] = True
         token_row = np.repeat(np.arange(len(size)), size)
         start = np.cumsum(size) - size
         column = np.arange(len(token_row)) - start[token_row]

@@ -22,14 +22,12 @@ def greedy_tree_path(choice: torch.Tensor, tokens: torch.Tensor, parent: torch.T
     node = torch.zeros(rows, dtype=torch.long, device=choice.device)
     path = torch.full((rows, width), -1, dtype=torch.long, device=choice.device)
     going = torch.ones(rows, dtype=torch.bool, device=choice.device)
-    for depth in range(width - 1):
+    for depth in range(width - 1):  # no early exit: asking the device whether any row goes on would sync
         wanted = choice.gather(1, node[:, None])  # [R, 1]: the target's token after the current node
         match = real & (parent == node[:, None]) & (tokens == wanted) & going[:, None]
         going = match.any(dim=1)
-        if not going.any():
-            break
         node = torch.where(going, match.long().argmax(dim=1), node)
-        path[:, depth] = torch.where(going, node, path[:, depth])
+        path[:, depth] = torch.where(going, node, -1)
     return path, (path >= 0).sum(dim=1)
 
 

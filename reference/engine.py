@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..invariants import (Violation, check_alignment, check_kv, check_mask, check_positions, check_round_commit, mask_strings,
-                          raise_if)
+from ..invariants import (Violation, check_alignment, check_kv, check_mask, check_positions, check_round_commit,
+                          mask_strings, raise_if)
 from .rounds import commit_counts, committed_tokens, greedy_accept, proposal_lengths, ragged_commit, softmax_max
 from .state import RaggedState, RectState, query_mask
 
@@ -220,9 +220,10 @@ def rect_round(rows, target, draft, opt: Options, round_index: int, trace_rows: 
     if opt.check:
         for i, row in enumerate(rows):
             if row.stop_reason is None:
-                found += check_row_kv(target, row.target_kv, row.tokens, 1, i, "target cache")
+                found += check_row_kv(target, row.target_kv, row.tokens, 1, i, "target cache", opt.window)
                 if k_round:
-                    found += check_row_kv(draft, row.draft_kv, row.tokens, row.draft_pending, i, "draft cache")
+                    found += check_row_kv(draft, row.draft_kv, row.tokens, row.draft_pending, i, "draft cache",
+                                          opt.window)
         raise_if(found, round_index)
     return accepted, k_round, proposed
 
@@ -314,7 +315,7 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
 
     if opt.check:
         live = [(i, row) for i, row in enumerate(rows) if not (hit_eos[i] or n[i] == remaining[i])]
-        found += _check_slot_caches(state, caches, live, target, draft if k_round else None)
+        found += _check_slot_caches(state, caches, live, target, draft if k_round else None, opt.window)
         raise_if(found, round_index)
     return accepted, n, hit_eos, k_round, proposed
 
@@ -324,16 +325,17 @@ def _verified_row(seen, i, p):
     return dict(positions=seen["positions"][i][:p + 1].tolist(), mask=mask_strings(seen["allowed"][i][:p + 1]))
 
 
-def _check_slot_caches(state: RaggedState, caches, live, target, draft):
+def _check_slot_caches(state: RaggedState, caches, live, target, draft, window: int | None = None):
     """I3 after a round for each live (i, row): the target's K/V covers content minus its one pending
-    token, the draft's (when it ran) content minus its own pending count."""
+    token, the draft's (when it ran) content minus its own pending count (fresh prefills under the
+    sliding window, if any)."""
     found = []
     for i, row in live:
         c = int(state.content_len[row])
         for model, name, pend in ((target, "target", 1), (draft, "draft", int(state.draft_pending[row]))):
             if model is not None:
                 kv = [(k[row, : c - pend], v[row, : c - pend]) for k, v in caches[name]]
-                found += check_row_kv(model, kv, state.content(row), pend, i, f"{name} cache")
+                found += check_row_kv(model, kv, state.content(row), pend, i, f"{name} cache", window)
     return found
 
 

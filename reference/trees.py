@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..invariants import check_tree_forward, raise_if
-from .engine import ReferenceResult, check_row_kv, prefill
+from .engine import ReferenceResult, _check_slot_caches, prefill
 from .rounds import commit_counts, ragged_commit
 from .state import RaggedState
 from .toy_lm import ToyLM
@@ -44,7 +44,8 @@ class Tree:
         object.__setattr__(self, "parent", parent)
         if tokens.ndim != 1 or tokens.shape != parent.shape or len(tokens) == 0:
             raise ValueError("a tree needs one token and one parent per node, the root first")
-        if parent[0] != -1 or (len(parent) > 1 and not ((parent[1:] >= 0) & (parent[1:] < np.arange(1, len(parent)))).all()):
+        later = parent[1:]
+        if parent[0] != -1 or not ((later >= 0) & (later < np.arange(1, len(parent)))).all():
             raise ValueError(f"parents must come first: parent[0] == -1 and 0 <= parent[j] < j, got {parent.tolist()}")
         for node in range(len(tokens)):
             siblings = tokens[self.children(node)]
@@ -228,11 +229,8 @@ def tree_round(state: RaggedState, cache, rows, target: ToyLM, trees: list[Tree]
     if check:
         found = check_tree_forward(seen["positions"], seen["allowed"], content, [t.parent for t in trees],
                                    cache[0][0].shape[1], window)
-        for i, row in enumerate(rows):
-            if not (hit_eos[i] or n[i] == remaining[i]):
-                c = int(state.content_len[row])
-                kv = [(k[row, :c - 1], v[row, :c - 1]) for k, v in cache]
-                found += check_row_kv(target, kv, state.content(row), 1, i, "target cache", window)
+        live = [(i, row) for i, row in enumerate(rows) if not (hit_eos[i] or n[i] == remaining[i])]
+        found += _check_slot_caches(state, {"target": cache}, live, target, None, window)
         raise_if(found)
     return accepted, committed, hit_eos
 

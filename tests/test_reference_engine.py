@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from reference_cases import TARGET, cases, oracle
 from specbatch.invariants import check_composition, check_outputs, check_stop
-from specbatch.reference import STRATEGIES, ScriptedDraft, deviate_at, generate
+from specbatch.reference import STRATEGIES, ScriptedDraft, deviate_at, generate, greedy_decode
 from profiles import examples
 
 
@@ -60,3 +60,14 @@ def test_exspec_groups_equal_lengths_and_bounds_waiting():
     assert result.stats["grouped_rounds"] > 0
     assert result.stats["max_waited"] <= 2 + 2  # max_wait + ceil(window / batch)
     assert result.sequences == oracle(prompts, 6, ())
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_sliding_window_with_checks_on_gives_windowed_greedy_output(strategy):
+    """The I3 checks compare with fresh prefills under the same window, so a windowed run with
+    check_invariants=True passes them and equals windowed greedy decoding."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [3] * 12]
+    draft = ScriptedDraft(TARGET, deviate_at([9, 12]))
+    result = generate(TARGET, draft, prompts, strategy=strategy, max_new_tokens=10, check_invariants=True,
+                                window=3, policy="fixed")
+    assert result.sequences == [greedy_decode(TARGET, p, 10, window=3) for p in prompts]
