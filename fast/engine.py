@@ -18,6 +18,7 @@ from .observer import Observer
 from .policy import RoundInfo, RoundOutcome
 from .proposals import ThresholdRule
 from .sampling import Greedy
+from .trees import sibling_tokens
 
 
 class Arrivals:
@@ -65,6 +66,7 @@ class Settings:
     arrivals: Arrivals | None = None  # when requests become available (None: all at once)
     policy: object = None  # fast.policy: FixedK, Threshold or Goodput (None: every row drafts its limit)
     backend: Backend = field(default_factory=lambda: CHOICES["cpu"])  # the device's speed choices (fast.compute.backend)
+    tree_branches: int = 1  # candidates verified per drafted position (fast.trees; 1: chains)
 
     @property
     def reads_confidence(self) -> bool:
@@ -83,6 +85,7 @@ class Stats:
     accepted_tokens: int = 0
     generated_tokens: int = 0
     row_rounds: int = 0  # sum over rounds of the rows in the round
+    verified_nodes: int = 0  # draft tokens the target verified (with trees, every node but the roots)
     lookup_rounds: int = 0  # rounds whose proposals all came from prompt lookup: no draft model forward
     time_total: float = 0.0
     time_prefill: float = 0.0
@@ -95,10 +98,12 @@ class Stats:
     accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [j]: rows accepting it
     extra: dict = field(default_factory=dict)
 
-    def add_round(self, proposed, accepted, n) -> None:
-        """Account one round: each row's proposed drafts, accepted drafts (a prefix of its proposals)
-        and committed tokens."""
+    def add_round(self, proposed, accepted, n, nodes: int | None = None) -> None:
+        """Account one round: each row's proposed drafts, accepted drafts (a prefix of its proposals,
+        or a tree's accepted path) and committed tokens; nodes: draft tokens verified (a tree's nodes
+        but the roots; default: the proposals)."""
         self.rounds += 1
+        self.verified_nodes += int(np.sum(proposed)) if nodes is None else int(nodes)
         self.row_rounds += len(n)
         self.drafted_tokens += int(np.sum(proposed))
         self.accepted_tokens += int(accepted.sum())
@@ -115,6 +120,7 @@ class Stats:
             "time_prefill", "time_draft", "time_verify", "time_align", "target_tokens_processed",
             "draft_tokens_processed")}
         out["mean_accepted_length"] = self.generated_tokens / self.row_rounds if self.row_rounds else 0.0
+        out["nodes_per_row_round"] = self.verified_nodes / self.row_rounds if self.row_rounds else 0.0
         out["acceptance_rate"] = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
         out["tokens_per_second"] = self.generated_tokens / self.time_total if self.time_total else 0.0
         out["align_share"] = self.time_align / self.time_total if self.time_total else 0.0
@@ -174,6 +180,7 @@ class Proposals:
     model_steps: int
     lookup_rows: np.ndarray  # rows that drafted by prompt lookup alone
     host_confidence: np.ndarray | None = None  # [R, steps] float64, where the rule read confidences
+    siblings: torch.Tensor | None = None  # [R, steps, b - 1] the draft's next most likely tokens (fast.trees)
 
     @property
     def limit(self) -> np.ndarray:
@@ -212,7 +219,8 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     clamp = np.asarray(clamp, dtype=np.int64)
     rows = len(clamp)
     rule = _round_rule(settings, clamp, requests, remaining, waiting)
-    steps, dists, confidences, host = [], [], [], []
+    steps, dists, confidences, host, siblings = [], [], [], [], []
+    branches = settings.tree_branches
     active, proposed = rule.limit > 0, np.zeros(rows, dtype=np.int64)
     ids, lookup_rows, model_steps = None, np.zeros(rows, dtype=bool), 0
     for step in range(int(rule.limit.max(initial=0))):
@@ -228,8 +236,12 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             model_steps = step + 1
             token, dist, confidence = _choose_drafts(settings, logits, requests, content + step, found, lookup_rows,
                                                      steps, device)
+            if branches > 1:  # leaves of the row's tree (lookup rows have none)
+                siblings.append(sibling_tokens(logits, token, branches - 1))
         elif found is not None:  # lookup rows alone: no model, and greedy builds no [R, V] logits
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
+            if branches > 1:  # never read: every row drafting at this step is a lookup row, which has no leaves
+                siblings.append(token[:, None].expand(-1, branches - 1))
         else:
             break  # no row may draft this round
         ids = token[:, None]
@@ -246,7 +258,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             break
     q = _stacked(dists) if settings.chooser.needs_q else None
     return Proposals(_so_far(steps, rows, device), q, _stacked(confidences), proposed, rule, len(steps), model_steps,
-                     lookup_rows, np.stack(host, axis=1) if host else None)
+                     lookup_rows, np.stack(host, axis=1) if host else None, _stacked(siblings))
 
 
 def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, waiting: bool):
@@ -254,7 +266,8 @@ def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, wait
     if settings.policy is None:
         return ThresholdRule(clamp)
     remaining_host = None if remaining is None else np.asarray(remaining)
-    return settings.policy.plan(RoundInfo(np.asarray(requests.tolist()), clamp, remaining_host, waiting))
+    return settings.policy.plan(RoundInfo(np.asarray(requests.tolist()), clamp, remaining_host, waiting,
+                                          settings.tree_branches))
 
 
 def _choose_drafts(settings: Settings, logits, requests, index, found, lookup_rows, steps: list, device):

@@ -25,13 +25,14 @@ class DraftAbilities:
     computes_row_subset: bool = False  # forward(rows=...) computes only those rows (rows independent, no K/V)
     prompt_lookup: object = None  # a lookup-first draft's own lookup (min_match, max_ngram) that the engine
     #                               may run itself for rows that draft by lookup, with forward(engine_lookup=True)
+    ranks_candidates: bool = True  # its logits rank tokens beyond its proposal (token trees' leaves, fast.trees)
 
 
 def abilities_of(model) -> DraftAbilities:
     """The abilities `model` declares (none for a plain Hugging Face model)."""
     return DraftAbilities(**{name: getattr(model, name, default) for name, default in
                              (("reads_features", False), ("returns_subset", False), ("computes_row_subset", False),
-                              ("prompt_lookup", None))})
+                              ("prompt_lookup", None), ("ranks_candidates", True))})
 
 
 class ModelRunner:

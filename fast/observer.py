@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..invariants import check_round_commit, mask_strings, raise_if
+from ..invariants import check_round_commit, check_tree_commit, mask_strings, raise_if
 from .verify import committed_lists
 
 
@@ -30,10 +30,12 @@ class Observer:
         pass
 
     def round(self, settings, round_index: int, rows: dict, queries, proposals, choice, accepted, n, remaining,
-              finished, stopped=None) -> None:
+              finished, stopped=None, tree=None) -> None:
         """rows() -> requests, prompt_len, tokens, pad_len and content_len of the round's rows (host or
         device); queries() -> per row, the position ids [Q_i] and visible slots [Q_i, S] (bool) of its own verify
-        queries, as host arrays; stopped [R]: the rows a stop string ended."""
+        queries, as host arrays; stopped [R]: the rows a stop string ended; tree() -> (parents per row,
+        node tokens [R, W], node choices [R, W]) of a tree round (fast.trees), whose choice [R, P + 1]
+        holds the target's choices along root + accepted path."""
 
     def end_round(self, round_index: int) -> None:
         pass
@@ -49,11 +51,15 @@ class InvariantChecker(Observer):
         self.found += violations()
 
     def round(self, settings, round_index, rows, queries, proposals, choice, accepted, n, remaining, finished,
-              stopped=None) -> None:
-        """I5 and I6 of the commit, I7 of the proposals."""
-        drafted = proposals.drafted.cpu().numpy()[:, :proposals.width - 1]
-        self.found += check_round_commit(drafted, choice.cpu().numpy(), proposals.proposed, accepted,
-                                         committed_lists(choice, n), remaining, settings.eos_ids, stopped)
+              stopped=None, tree=None) -> None:
+        """I5 and I6 of the commit (a tree round's against its tree), I7 of the proposals."""
+        if tree is not None:
+            self.found += check_tree_commit(*tree(), accepted, committed_lists(choice, n), remaining,
+                                            settings.eos_ids, stopped)
+        else:
+            drafted = proposals.drafted.cpu().numpy()[:, :proposals.width - 1]
+            self.found += check_round_commit(drafted, choice.cpu().numpy(), proposals.proposed, accepted,
+                                             committed_lists(choice, n), remaining, settings.eos_ids, stopped)
         self.found += check_proposals(proposals)
 
     def end_round(self, round_index: int) -> None:
@@ -68,7 +74,7 @@ class TraceRecorder(Observer):
         self.writer = writer
 
     def round(self, settings, round_index, rows, queries, proposals, choice, accepted, n, remaining, finished,
-              stopped=None) -> None:
+              stopped=None, tree=None) -> None:
         p, committed, shown = proposals.proposed, committed_lists(choice, n), queries()
         drafted, host_choice = proposals.drafted.cpu().numpy(), choice.cpu().numpy()
         confidence = (proposals.confidence.float().cpu().numpy() if proposals.confidence is not None

@@ -53,6 +53,7 @@ class RoundInfo:
     clamp: np.ndarray  # [R] min(k, remaining - 1): the most each row may propose
     remaining: np.ndarray | None = None  # [R] tokens left in each row's budget (None: unknown)
     waiting: bool = True  # whether requests wait for a slot
+    branches: int = 1  # verify tokens each proposal brings: itself and its tree leaves (fast.trees)
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Goodput:
             self.rule = GoodputRule(clamp, worth, calibration, forecast, 0.0, 0.0, by_lookup)
             return self.rule
         overhead = float(np.median(self.overhead)) if self.overhead else 0.0
-        token, step = self.verify_cost.slope(), self.draft_cost(rows)
+        token, step = self.verify_cost.slope() * info.branches, self.draft_cost(rows)  # a proposal's verify tokens
         lam = best_ratio(worth, forecast, clamp, max(self.verify_cost(rows) + overhead, 1e-9), token, step)
         self.rule = GoodputRule(clamp, worth, calibration, forecast, lam * token, lam * step, by_lookup)
         return self.rule

@@ -119,6 +119,12 @@ class Chooser:
     def verify_flat(self, logits, layout, drafted, q, limit, requests, first_position):
         return self.verify(logits[layout], drafted, q, limit, requests, first_position)
 
+    def tree_choices(self, logits, gather, requests, predicted):
+        """[R, W]: the token the target takes after each node of a tree verify (fast.trees), from the
+        flat logits [N, V]; requests [N] and predicted [N] (the content index of the token each node
+        predicts: c + depth) per node; gather [R, W] the flat index of row i's node j."""
+        raise ValueError(f"{type(self).__name__} does not verify token trees")
+
     def draft_lookup(self, step, requests, positions):
         """draft() of a prompt lookup's step (fast.drafts.lookup_draft.LookupStep): its logits, one-hot where
         a row matched and uniform elsewhere, drafted like any other."""
@@ -156,6 +162,9 @@ class Greedy(Chooser):
     def verify(self, logits, drafted, q, limit, requests, first_position):
         choice = self.processed(logits, requests, drafted).argmax(dim=-1)
         return choice, greedy_accept(drafted, choice, limit)
+
+    def tree_choices(self, logits, gather, requests, predicted):
+        return logits.argmax(dim=-1)[gather]
 
     def verify_flat(self, logits, layout, drafted, q, limit, requests, first_position):
         if self.processors is not None and self.processors.changes_logits:
@@ -201,6 +210,12 @@ class Coupled(Sampled):
         noise = rng.gumbel(*self.keys(expanded), positions, logits.shape[-1])
         choice = (self.log_probs(logits, requests, drafted) + noise).argmax(dim=-1)
         return choice, greedy_accept(drafted, choice, limit)
+
+    def tree_choices(self, logits, gather, requests, predicted):
+        """Each node's coupled choice: the Gumbel vector of (seed, request, the position it predicts),
+        so a node standing for the sequence s takes what target-only coupled sampling appends to s."""
+        noise = rng.gumbel(*self.keys(requests), predicted, logits.shape[-1])
+        return (self.log_probs(logits, requests) + noise).argmax(dim=-1)[gather]
 
 
 class Rejection(Sampled):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from dataclasses import replace
+
 import numpy as np
 
 from .violations import Violation, as_numpy
@@ -230,6 +232,36 @@ def check_round_commit(drafted, choice, limit, accepted, committed, remaining, e
             inv = "I6" if len(got) > len(want) and got[: len(want)] == want else "I5"  # kept past the stop
             out.append(Violation(inv, "committed tokens differ from the target's choices under the stop rule",
                                  row=i, index=j, expected=want, actual=got))
+    return out
+
+
+def check_tree_commit(parents, node_tokens, node_choice, accepted, committed, remaining, eos_ids,
+                      stopped=None) -> list[Violation]:
+    """I5 and I6 for one greedy tree round, row by row (reference.trees.greedy_path).
+
+    I5: the accepted path walks from the root to the child carrying the target's choice at the
+    current node (node_choice [R, W]; node_tokens [R, W] the nodes' tokens; parents[i] row i's
+    parents) while one does; accepted is its length. I6 then holds as for the chain of the path's
+    tokens, with the target's choices along root + path (check_round_commit)."""
+    node_tokens, node_choice = as_numpy(node_tokens), as_numpy(node_choice)
+    out = []
+    for i, parent in enumerate(parents):
+        path, node = [], 0
+        while True:
+            child = [j for j in range(1, len(parent)) if parent[j] == node and node_tokens[i, j] == node_choice[i, node]]
+            if not child:
+                break
+            node = child[0]
+            path.append(node)
+        acc = int(as_numpy(accepted)[i])
+        if acc != len(path):
+            out.append(Violation("I5", "accepted count is not the length of the tree's greedy path", row=i,
+                                 index=len(path), expected=len(path), actual=acc))
+            continue
+        along = node_choice[i, [0] + path][None]
+        found = check_round_commit(node_tokens[i, path][None], along, [acc], [acc], [committed[i]],
+                                   [as_numpy(remaining)[i]], eos_ids, None if stopped is None else [stopped[i]])
+        out += [replace(v, row=i) for v in found]
     return out
 
 

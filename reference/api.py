@@ -3,8 +3,8 @@ defaults (the same `GenerateOptions`, read from `specbatch.options.defaults()` a
 that a reader can diff the two calls.
 
 The reference decodes greedily, with the options that decide greedy output and its rounds:
-strategy, num_draft_tokens, batch_size, max_new_tokens, draft_threshold, draft_floor, policy,
-pool_window and max_wait. Options that only change speed (dtype, device, prepack, compile, lean,
+strategy, num_draft_tokens, tree_branches (ragged: token trees, reference.trees), batch_size,
+max_new_tokens, draft_threshold, draft_floor, policy, pool_window and max_wait. Options that only change speed (dtype, device, prepack, compile, lean,
 seed, sampling) are accepted and have no effect; sampling and processor options away from their
 defaults are refused (reference.sampling and reference.processors state those per query). It has
 no clock, so the goodput policy, which prices proposals from measured costs, is not available:
@@ -23,7 +23,7 @@ from .strategies import STRATEGIES, Job
 
 SPEED_ONLY = ("dtype", "device", "prepack", "compile", "lean", "seed", "sampling")
 ROUND_OPTIONS = ("strategy", "num_draft_tokens", "batch_size", "max_new_tokens", "draft_threshold", "draft_floor",
-                 "policy", "pool_window", "max_wait")
+                 "policy", "pool_window", "max_wait", "tree_branches")
 
 
 def generate(target, draft, prompts, options: GenerateOptions | None = None, *, eos_token_id=(), pad_token_id=0,
@@ -47,6 +47,10 @@ def generate(target, draft, prompts, options: GenerateOptions | None = None, *, 
                          "(greedy output is the same under every policy)")
     eos_ids = (eos_token_id,) if np.isscalar(eos_token_id) else tuple(eos_token_id)
     k = opts.num_draft_tokens if draft is not None else 0
+    branches = opts.tree_branches if k else 1
+    if branches > 1 and (opts.strategy != "ragged" or trace is not None):
+        raise ValueError(f"tree_branches={branches} runs in strategy='ragged' without a trace "
+                         f"(reference.trees), got strategy={opts.strategy!r}" + (" and a trace" if trace else ""))
     threshold, floor = (opts.draft_threshold, min(opts.draft_floor, opts.draft_threshold)) \
         if opts.policy == "threshold" and k else (0.0, 0.0)
     count = len(prompts)
@@ -59,7 +63,7 @@ def generate(target, draft, prompts, options: GenerateOptions | None = None, *, 
                              draft_floor=floor)
     job = Job(target, draft, prompts, max_new, list(range(count)) if arrival_order is None else list(arrival_order),
               Options(k=k, eos_ids=eos_ids, pad_id=pad_token_id, window=window, check=check_invariants,
-                      threshold=threshold, floor=floor),
+                      threshold=threshold, floor=floor, branches=branches),
               opts.batch_size, opts.pool_window, opts.max_wait, writer)
     STRATEGIES[opts.strategy](job)
     sequences = [job.results[r].tokens[job.results[r].prompt_len:] for r in range(count)]

@@ -48,21 +48,28 @@ def confidence_hashed(seed: int, low: float = 0.05, high: float = 0.95):
     return rule
 
 
-def demote_top(logits: np.ndarray, where: np.ndarray) -> np.ndarray:
-    """Return logits where, at the entries `where` [B, Q], the argmax is pushed to the bottom."""
+def demote_top(logits: np.ndarray, where: np.ndarray, swap: bool = False) -> np.ndarray:
+    """Return logits where, at the entries `where` [B, Q], the argmax is pushed to the bottom (swap:
+    trades places with the second best, which then leads)."""
     out = logits.copy()
-    top = np.argmax(out, axis=-1)
+    order = np.argsort(-out, axis=-1, kind="stable")
+    top, second = order[..., 0], order[..., 1]
     b, q = np.nonzero(where)
-    out[b, q, top[b, q]] = NEG
+    if swap:
+        out[b, q, top[b, q]], out[b, q, second[b, q]] = logits[b, q, second[b, q]], logits[b, q, top[b, q]]
+    else:
+        out[b, q, top[b, q]] = NEG
     return out
 
 
 class ScriptedDraft:
     """A draft model that agrees with `base` except where `deviate` fires; with a `confidence` rule
-    (e.g. confidence_hashed) its confidence at each step is scripted too (the proposal rule, I7)."""
+    (e.g. confidence_hashed) its confidence at each step is scripted too (the proposal rule, I7).
+    Where it deviates, base's best token drops to the bottom, or with swap=True to second place (the
+    draft's second guess is then base's first: what a token tree's leaves catch)."""
 
-    def __init__(self, base, deviate: DeviateRule, confidence=None):
-        self.base, self.deviate, self.confidence = base, deviate, confidence
+    def __init__(self, base, deviate: DeviateRule, confidence=None, swap: bool = False):
+        self.base, self.deviate, self.confidence, self.swap = base, deviate, confidence, swap
         self.n_layers, self.dim, self.vocab_size = base.n_layers, base.dim, base.vocab_size
         self._last = None
 
@@ -72,7 +79,7 @@ class ScriptedDraft:
     def forward(self, tokens, positions, past, mask):
         logits, new_kv = self.base.forward(tokens, positions, past, mask)
         self._last = (positions[:, -1] + 1, tokens[:, -1])  # what the last query predicts from
-        return demote_top(logits, self.deviate(positions + 1, tokens)), new_kv
+        return demote_top(logits, self.deviate(positions + 1, tokens), self.swap), new_kv
 
     def confidence_of(self, last_logits):
         """The confidence of the last forward's last query (the rule's value, or softmax's top)."""
@@ -84,7 +91,7 @@ class ScriptedDraft:
     def logits_of(self, sequence, window: int | None = None):
         seq = np.asarray(sequence, dtype=np.int64)
         logits = self.base.logits_of(seq, window)[None]
-        return demote_top(logits, self.deviate(np.arange(1, len(seq) + 1)[None], seq[None]))[0]
+        return demote_top(logits, self.deviate(np.arange(1, len(seq) + 1)[None], seq[None]), self.swap)[0]
 
     def kv_of(self, sequence, window: int | None = None):
         return self.base.kv_of(sequence, window)

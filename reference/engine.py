@@ -28,6 +28,7 @@ class Options:
     check: bool = False
     threshold: float = 0.0  # a row stops proposing when its draft confidence is below it (I7)
     floor: float | None = None  # ... proposing the step it stops at if its confidence is >= floor (None: never)
+    branches: int = 1  # ragged: candidates verified per drafted position (reference.trees.sibling_tree; 1: chains)
 
 
 def draft_rows(draft, limit, threshold, step_fn, floor=None):
@@ -265,6 +266,7 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
     found = []
     drafted, confidence, proposed = (np.zeros((len(rows), 0), dtype=np.int64), np.zeros((len(rows), 0)),
                                      np.zeros(len(rows), dtype=np.int64))
+    step_logits = []  # [B, V] per draft step: the sibling leaves of a tree round
     if limit.max() > 0:
         pending = int(state.draft_pending[rows].max())
 
@@ -278,9 +280,14 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
             if opt.check:
                 found.extend(check_positions(seen["positions"], seen["query_index"]))
                 found.extend(check_mask(seen["allowed"], seen["query_index"], seen["slot_index"], opt.window))
+            step_logits.append(logits[:, -1])
             return logits[:, -1]
         drafted, confidence, proposed = draft_rows(draft, limit, opt.threshold, step_fn, opt.floor)
     k_round = drafted.shape[1]  # draft steps run
+    if opt.branches > 1 and k_round:
+        from .trees import ragged_tree_round  # reference.trees builds on this module
+        return ragged_tree_round(state, caches, rows, target, draft, opt, drafted, proposed, step_logits, found,
+                                 round_index)
     width_q = int(proposed.max(initial=0))
 
     # each row verifies its own proposals only: query j > p_i is a pad query (writes and sees nothing)
@@ -298,13 +305,8 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
         found += check_round_commit(drafted[:, :width_q], choice, proposed, accepted, committed, remaining,
                                     opt.eos_ids)
     if trace_rows is not None:
-        trace_rows += [dict(request=int(state.request[row]), prompt_len=int(state.prompt_len[row]),
-                            tokens=state.content(row), pad_len=0, content_len=int(content[i]),
-                            **_verified_row(seen, i, int(proposed[i])), drafted=drafted[i, :proposed[i]].tolist(),
-                            target_argmax=choice[i, :proposed[i] + 1].tolist(), draft_limit=int(proposed[i]),
-                            cap=opt.k, limit=int(limit[i]), draft_confidence=confidence[i].tolist(),
-                            accepted=int(accepted[i]), committed=committed[i],
-                            finished=bool(hit_eos[i] or n[i] == remaining[i]))
+        trace_rows += [_ragged_trace_row(state, row, i, content, seen, drafted, proposed, choice, opt.k, limit,
+                                         confidence, accepted, committed, hit_eos[i] or n[i] == remaining[i])
                        for i, row in enumerate(rows)]
     ragged_commit(state, rows, committed)
     state.target_pending[rows] = 1
@@ -318,6 +320,17 @@ def ragged_round(state: RaggedState, caches, rows, target, draft, opt: Options, 
         found += _check_slot_caches(state, caches, live, target, draft if k_round else None, opt.window)
         raise_if(found, round_index)
     return accepted, n, hit_eos, k_round, proposed
+
+
+def _ragged_trace_row(state: RaggedState, row: int, i: int, content, seen, drafted, proposed, choice, k: int, limit,
+                      confidence, accepted, committed, finished) -> dict:
+    """Row i's trace row (invariants.trace) of a ragged round."""
+    p = int(proposed[i])
+    return dict(request=int(state.request[row]), prompt_len=int(state.prompt_len[row]), tokens=state.content(row),
+                pad_len=0, content_len=int(content[i]), **_verified_row(seen, i, p), drafted=drafted[i, :p].tolist(),
+                target_argmax=choice[i, :p + 1].tolist(), draft_limit=p, cap=k, limit=int(limit[i]),
+                draft_confidence=confidence[i].tolist(), accepted=int(accepted[i]), committed=committed[i],
+                finished=bool(finished))
 
 
 def _verified_row(seen, i, p):

@@ -210,6 +210,18 @@ def tree_round(state: RaggedState, cache, rows, target: ToyLM, trees: list[Tree]
 
     With check: I2/I4 of the verify (invariants.check_tree_forward) and I3 of every live row's
     cache after the round (its K/V equal a fresh prefill of content[:-1]); raises InvariantError."""
+    accepted, committed, hit_eos, _, found = verify_trees(state, cache, rows, target, trees, eos_ids, window, pad_id,
+                                                          check)
+    if check:
+        found += _check_slot_caches(state, {"target": cache}, _live(state, rows, hit_eos), target, None, window)
+        raise_if(found)
+    return accepted, committed, hit_eos
+
+
+def verify_trees(state: RaggedState, cache, rows, target: ToyLM, trees: list[Tree], eos_ids, window, pad_id: int,
+                 check: bool = False):
+    """tree_round's verify and commit: (accepted [R], committed per row, hit_eos [R], paths, the
+    forward's I2/I4 violations when check)."""
     content = state.content_len[rows].copy()
     remaining = state.budget_end[rows] - content
     for i, tree in enumerate(trees):
@@ -226,13 +238,63 @@ def tree_round(state: RaggedState, cache, rows, target: ToyLM, trees: list[Tree]
     committed = [along[i, :n[i]].tolist() for i in range(len(rows))]
     keep_path(cache, rows, new_kv, [path[:n[i] - 1] for i, path in enumerate(paths)], content)
     ragged_commit(state, rows, committed)
+    found = []
     if check:
         found = check_tree_forward(seen["positions"], seen["allowed"], content, [t.parent for t in trees],
                                    cache[0][0].shape[1], window)
-        live = [(i, row) for i, row in enumerate(rows) if not (hit_eos[i] or n[i] == remaining[i])]
-        found += _check_slot_caches(state, {"target": cache}, live, target, None, window)
-        raise_if(found)
-    return accepted, committed, hit_eos
+    return accepted, committed, hit_eos, paths, found
+
+
+def _live(state: RaggedState, rows, hit_eos) -> list:
+    """(i, row) of the rows still running after a commit."""
+    return [(i, row) for i, row in enumerate(rows)
+            if not (hit_eos[i] or state.content_len[row] >= state.budget_end[row])]
+
+
+def sibling_tokens(logits: np.ndarray, drafted: np.ndarray, count: int) -> np.ndarray:
+    """[B, count]: each row's `count` most likely tokens under the draft's step logits [B, V], its
+    proposal drafted [B] left out, most likely first (ties: the smaller id first)."""
+    out = np.zeros((len(drafted), count), dtype=np.int64)
+    for i, row in enumerate(logits):
+        ranked = [int(t) for t in np.argsort(-row, kind="stable")[:count + 1] if t != drafted[i]]
+        out[i] = ranked[:count]
+    return out
+
+
+def sibling_tree(root: int, drafted, siblings) -> Tree:
+    """A row's tree for a round: its proposals as the spine (d_j under node j - 1), then the draft's
+    siblings [p, b - 1] of each proposal as leaves under the proposal's parent, step by step (the
+    torch engine's numbering, fast.trees)."""
+    drafted, siblings = np.asarray(drafted, dtype=np.int64), np.asarray(siblings, dtype=np.int64)
+    p, count = len(drafted), siblings.shape[1] if siblings.ndim == 2 else 0
+    tokens = np.concatenate([[root], drafted, siblings[:p].reshape(-1)])
+    parent = np.concatenate([np.arange(-1, p), np.repeat(np.arange(p), count)])
+    return Tree(tokens, parent)
+
+
+def ragged_tree_round(state: RaggedState, caches, rows, target: ToyLM, draft: ToyLM, opt, drafted, proposed,
+                      step_logits: list, found: list, round_index: int):
+    """The verify and commit of a ragged round with tree_branches > 1 (reference.engine.ragged_round
+    drafted): each row's proposals and, for each, the draft's next opt.branches - 1 tokens at that
+    step as leaves, verified as one tree per row. The draft's cache keeps the K/V of the accepted
+    path's leading spine nodes only (its own chain). Returns ragged_round's tuple."""
+    content = state.content_len[rows].copy()
+    k_round = drafted.shape[1]
+    siblings = np.stack([sibling_tokens(step_logits[j], drafted[:, j], opt.branches - 1) for j in range(k_round)],
+                        axis=1)  # [B, steps, b - 1]
+    trees = [sibling_tree(state.tokens[row, content[i] - 1], drafted[i, :proposed[i]], siblings[i, :proposed[i]])
+             for i, row in enumerate(rows)]
+    accepted, committed, hit_eos, paths, seen = verify_trees(state, caches["target"], rows, target, trees, opt.eos_ids,
+                                                             opt.window, opt.pad_id, opt.check)
+    n = np.array([len(c) for c in committed], dtype=np.int64)
+    spine = np.array([next((j for j, node in enumerate(path) if node != j + 1), len(path)) for path in paths])
+    state.target_pending[rows] = 1
+    state.draft_pending[rows] = n - np.minimum(np.minimum(spine, k_round - 1), n)
+    if opt.check:
+        found = found + seen + _check_slot_caches(state, caches, _live(state, rows, hit_eos), target, draft,
+                                                  opt.window)
+        raise_if(found, round_index)
+    return accepted, n, hit_eos, k_round, proposed
 
 
 def tree_generate(target: ToyLM, prompts, propose, max_new_tokens, eos_token_id=(), pad_token_id: int = 0,

@@ -168,6 +168,7 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
     window = _sliding_window(target, draft, ids, max_new, k)
     settings, writer = _settings(target, opts, runner.layout, strategy, ids, max_new, k, window, eos_token_id,
                                  pad_token_id, vocab, tokenizer, check_invariants, trace, request_ids)
+    settings.tree_branches = _tree_branches(opts, draft, k, runner, settings, vocab, trace)
     stats = Stats()
     target_runner = ModelRunner(target, lean=opts.lean and not opts.compile)
     draft_runner = ModelRunner(draft, lean=opts.lean and not opts.compile) if draft is not None else None
@@ -200,6 +201,30 @@ def _check_draft(target, draft, tokenizer, draft_tokenizer, runner, strategy: st
         keeping = ", ".join(repr(name) for name, cls in STRATEGIES.items() if cls.keeps_features)
         raise ValueError(f"the draft reads the target's features (a feature draft, fast.drafts.feature_draft); only "
                          f"strategy={keeping} keeps them, got strategy={strategy!r}")
+
+
+def _tree_branches(opts: GenerateOptions, draft, k: int, runner, settings, vocab: int, trace) -> int:
+    """The round's candidates per drafted position (fast.trees): 1 without drafts or for a draft
+    whose logits rank no candidates beyond its first (a prompt lookup alone proposes a chain);
+    else opts.tree_branches, refused (ValueError) outside a strategy that verifies trees, greedy or
+    coupled decoding without logit processors, and no trace."""
+    if opts.tree_branches == 1 or not k or not abilities_of(draft).ranks_candidates:
+        return 1
+    name = f"tree_branches={opts.tree_branches}"
+    if not getattr(runner, "verifies_trees", False):
+        verifying = ", ".join(repr(n) for n, cls in STRATEGIES.items() if getattr(cls, "verifies_trees", False))
+        raise ValueError(f"{name} needs a strategy that verifies trees ({verifying}), got strategy={opts.strategy!r}")
+    if opts.tree_branches > vocab - 1:
+        raise ValueError(f"{name} exceeds the candidates a vocabulary of {vocab} tokens has")
+    refused = [(opts.temperature and opts.sampling == "rejection",
+                "rejection sampling: rejection over several candidates is not implemented; use sampling='coupled'"),
+               (settings.processors is not None and settings.processors.changes_logits,
+                "penalties, logit_bias or min_tokens: the leaves would be the unprocessed draft's"),
+               (trace is not None, "trace=: traces record chain rounds")]
+    for refused_now, why in refused:
+        if refused_now:
+            raise ValueError(f"{name} does not run with {why}; use tree_branches=1")
+    return opts.tree_branches
 
 
 def _sliding_window(target, draft, ids, max_new, k: int) -> int | None:

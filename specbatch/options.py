@@ -33,6 +33,9 @@ class GenerateOptions:
     strategy: str = _option("ragged", "eqspec (realign every round), exspec (a pool of same-length groups) or "
                                       "ragged (per-row offsets, continuous refill)")
     num_draft_tokens: int = _option(4, "k: the most tokens a row proposes in a round")
+    tree_branches: int = _option(1, "candidates verified per drafted position (ragged, greedy): each proposal's "
+                                    "b - 1 next most likely draft tokens are verified as leaves in the same forward, "
+                                    "so a row whose proposal misses may still accept one of them; 1: a chain")
     batch_size: int = _option(8, "rows decoded together (ragged: slots)")
     max_new_tokens: int = _option(128, "new tokens per request at most (the API also takes one per prompt)")
     draft_threshold: float = _option(0.7, "a row stops drafting when the draft's confidence (probability of its "
@@ -189,6 +192,7 @@ def check_options(o: GenerateOptions, num_prompts: int, floor_chosen: bool = Tru
     check_choice("dtype", o.dtype, DTYPES)
     check_int("num_draft_tokens", o.num_draft_tokens)
     check_int("batch_size", o.batch_size)
+    check_int("tree_branches", o.tree_branches)
     for m in (o.max_new_tokens if isinstance(o.max_new_tokens, (list, tuple)) else [o.max_new_tokens]):
         check_int("max_new_tokens", m)
     check_probability("draft_threshold", o.draft_threshold)

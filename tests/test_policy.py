@@ -222,3 +222,23 @@ def test_linear_cost_never_prices_below_zero():
     for x, seconds in ((1, 0.05), (8, 0.01)):
         falling.add(x, seconds)
     assert falling.slope() == 0.0 and falling(100) == pytest.approx(0.03) and falling(0) == pytest.approx(0.03)
+
+
+def test_a_tree_proposal_is_priced_at_the_verify_tokens_it_brings():
+    """With tree_branches b a proposal brings b verify tokens (itself and its leaves): the bar a
+    proposal must pay rises with b, and rows that draft 4 deep on a chain draft less deep on a
+    wide tree when verify tokens are dear."""
+    rows = 4
+    policy = measured_policy(0.004, rows)
+    bars = {b: policy.plan(RoundInfo(np.arange(rows), np.full(rows, 4), None, waiting=True, branches=b)).bar
+            for b in (1, 3)}
+    assert bars[3] > 2 * bars[1]
+
+    def proposed(branches):
+        rule = policy.plan(RoundInfo(np.arange(rows), np.full(rows, 4), None, waiting=True, branches=branches))
+        active, count = rule.begin(np.ones(rows, dtype=bool)), np.zeros(rows, dtype=np.int64)
+        for j in range(4):
+            proposes, active = rule.step(j, np.full(rows, 0.8), active)
+            count += proposes
+        return count
+    assert (proposed(8) < proposed(1)).all()

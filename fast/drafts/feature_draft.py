@@ -232,6 +232,17 @@ class FeatureBuffer:
     def move_row(self, src: int, dst: int, count: int) -> None:
         self.data[dst, :count] = self.data[src, :count]
 
+    @property
+    def capacity(self) -> int:
+        """The content indices it holds, the spare last one not counted (a tree move's trash slot)."""
+        return self.data.shape[1] - 1
+
+    def keep_path(self, rows: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
+        """A tree round's accepted path (fast.trees): row rows[m]'s features at source[m, j] move to
+        target[m, j], every source read before anything is written."""
+        moved = self.data[rows[:, None], source]
+        self.data[rows[:, None], target] = moved
+
 
 class FeatureCapture:
     """A forward hook on the target's final norm that writes each forward's features into a

@@ -101,6 +101,8 @@ def confidence_height(confidence: float, vocab: int) -> float:
 
 
 class PromptLookupDraft(WeightlessLM):
+    ranks_candidates = False  # one proposal per step, the rest uniform: a token tree has no leaves to take
+
     def __init__(self, vocab_size: int, max_ngram: int = 3, device="cpu", generation_config=None):
         super().__init__(vocab_size, "prompt-lookup", generation_config)
         self.max_ngram = max_ngram
@@ -158,6 +160,11 @@ class LookupFirstDraft(torch.nn.Module):
         """Whether forward(rows=...) is understood (by the model behind the lookup; the history layer
         is stored for every row either way)."""
         return abilities_of(self.model).computes_row_subset
+
+    @property
+    def ranks_candidates(self) -> bool:
+        """Whether the model behind the lookup ranks candidates (token trees' leaves, fast.trees)."""
+        return abilities_of(self.model).ranks_candidates
 
     @property
     def prompt_lookup(self):

@@ -52,14 +52,30 @@ def confident_logits(logits: torch.Tensor, confidence: torch.Tensor) -> torch.Te
     return out.to(logits.dtype)
 
 
+def _demote_top(logits: torch.Tensor, fire: torch.Tensor, swap: bool) -> torch.Tensor:
+    """logits with, where fire [..., 1], the best token pushed to the bottom or (swap) traded with the second."""
+    logits = logits.clone()
+    if swap:
+        best = logits.topk(2, dim=-1)
+        top, second = best.indices[..., :1], best.indices[..., 1:]
+        logits.scatter_(-1, top, torch.where(fire, best.values[..., 1:], best.values[..., :1]))
+        logits.scatter_(-1, second, torch.where(fire, best.values[..., :1], best.values[..., 1:]))
+    else:
+        top = logits.argmax(dim=-1, keepdim=True)
+        logits.scatter_(-1, top, torch.where(fire, torch.finfo(logits.dtype).min, logits.gather(-1, top)))
+    return logits
+
+
 class ScriptedDraft(torch.nn.Module):
     """confidence: optional rule(next_index, token) -> probability in [0, 1] of the proposal; the
     draft's distribution then has exactly that top probability (fast.proposals stops a row below
-    its threshold), so proposal lengths can be scripted too."""
+    its threshold), so proposal lengths can be scripted too. Where the rule fires, base's best token
+    drops to the bottom, or with swap=True trades places with the second best (the draft's second
+    guess is then base's first: what a token tree's leaves catch; reference.drafts.ScriptedDraft)."""
 
-    def __init__(self, base, rule: DeviateRule, confidence=None):
+    def __init__(self, base, rule: DeviateRule, confidence=None, swap: bool = False):
         super().__init__()
-        self.base, self.rule, self.confidence = base, rule, confidence
+        self.base, self.rule, self.confidence, self.swap = base, rule, confidence, swap
         self._cache_kw = cache_argument(base)
 
     @property
@@ -86,11 +102,7 @@ class ScriptedDraft(torch.nn.Module):
         fire = self.rule((position_ids[:, -q:] + 1).cpu().numpy(), input_ids[:, -q:].cpu().numpy())
         fire = torch.as_tensor(fire, device=logits.device)
         if fire.any():
-            logits = logits.clone()
-            top = logits.argmax(dim=-1, keepdim=True)
-            low = torch.finfo(logits.dtype).min
-            logits.scatter_(-1, top, torch.where(fire[..., None], torch.full_like(top, 0, dtype=logits.dtype) + low,
-                                                 logits.gather(-1, top)))
+            logits = _demote_top(logits, fire[..., None], self.swap)
         if self.confidence is not None:
             c = self.confidence((position_ids[:, -q:] + 1).cpu().numpy(), input_ids[:, -q:].cpu().numpy())
             logits = confident_logits(logits, torch.as_tensor(c, device=logits.device))

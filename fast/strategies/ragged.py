@@ -12,20 +12,24 @@ content (proofs_notes/feature_drafts.md).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Callable
+
 import numpy as np
 import torch
 
-from ...invariants import check_conservation, check_mask, check_positions
+from ...invariants import check_conservation, check_mask, check_positions, check_tree_forward
 from ...reference.pool import SlotQueue
 from ..compute.attention import flat_plan, uses_engine_attention
 from ..drafts.feature_draft import FeatureCapture
-from ..layout import VerifyLayout
+from ..layout import TreeLayout, VerifyLayout
 from ..engine import Arrivals, Proposals, Settings, Stats, check_cache_row, rect_queries, record_round
 from ..compute.prefill import prefill_into
 from ..proposer import proposer_for
 from ..compute.slot_cache import SlotCache
 from ..compute.slot_forward import slot_forward, storage_dtype
 from ..processors import STOP, STOP_REASONS
+from ..trees import SiblingTrees, keep_accepted_path, verify_tree
 from ..verify import commit_counts
 
 
@@ -41,11 +45,27 @@ def flat_queries(plan, rows: int) -> list:
     return out
 
 
+@dataclass
+class Verdict:
+    """What one verify decided, per row (host arrays, but choice)."""
+
+    choice: torch.Tensor  # [R, W] the target's tokens after the root and each accepted node: row i commits choice[i, :n_i]
+    accepted: np.ndarray  # [R] accepted proposals (a tree's: the accepted path's length)
+    n: np.ndarray  # [R] committed tokens
+    hit_eos: np.ndarray  # [R] why the row stopped this round (processors.STOP_REASONS; 0: it did not)
+    queries: Callable  # () -> per row, the position ids and visible slots of its queries (the observer's)
+    verified: int  # queries the target's forward computed
+    nodes: int  # proposals and tree nodes verified (the roots not counted)
+    draft_accepted: np.ndarray  # [R] leading accepted proposals from the draft's own chain (its K/V stay valid)
+    tree: Callable | None = None  # () -> (parents, node tokens [R, W], node choices [R, W]): a tree round's
+
+
 class RaggedEngine:
     def __init__(self, target, draft, prompts, max_new, settings: Settings, stats: Stats, clock, slots: int):
         self.target, self.settings, self.stats, self.clock = target, settings, stats, clock
         self.prompts, self.max_new, self.slots = prompts, max_new, slots
-        capacity = max(len(p) + m for p, m in zip(prompts, max_new)) + settings.k + 1
+        # the longest content, then the scratch slots of a round's tree (chains: its k + 1 queries)
+        capacity = max(len(p) + m for p, m in zip(prompts, max_new)) + settings.k * settings.tree_branches + 1
         self.capacity = capacity
         dev = settings.device
         self.tokens = torch.zeros(slots, capacity + 1, dtype=torch.long, device=dev)
@@ -59,6 +79,9 @@ class RaggedEngine:
         self.queue = SlotQueue(slots)
         # the target runs the engine's attention (which groups rows by length): needed by the flat verify
         self.grouped = uses_engine_attention(target.model)
+        if settings.tree_branches > 1 and not self.grouped:
+            raise ValueError(f"tree_branches={settings.tree_branches} needs the flat verify, which the target's "
+                             f"attention ({type(target.model).__name__}) does not run; use tree_branches=1")
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
         # a feature draft (fast.drafts.feature_draft) reads the target's features of each row's content
         self.capture = None
@@ -115,12 +138,11 @@ class RaggedEngine:
         with self.clock("time_draft"):
             proposals = self.propose(rows, content, remaining)
         with self.clock("time_verify"):
-            choice, accepted, n, hit_eos, queries, verified = self.verify(rows, content, remaining, proposals)
-        record_round(s, self.clock, self.request[rows], proposals, accepted, verified)
+            verdict = self.verify(rows, content, remaining, proposals)
+        record_round(s, self.clock, self.request[rows], proposals, verdict.accepted, verdict.verified)
         with self.clock("time_align"):
-            self.commit(rows, content, remaining, proposals, choice, accepted, n, hit_eos, queries, round_index,
-                        on_done)
-        self.stats.add_round(proposals.proposed, accepted, n)
+            self.commit(rows, content, remaining, proposals, verdict, round_index, on_done)
+        self.stats.add_round(proposals.proposed, verdict.accepted, verdict.n, verdict.nodes)
         s.observer.check(lambda: check_conservation(range(self.arrivals.released), self.queue.members())
                          + self._check_caches(round_index))
         s.observer.end_round(round_index)
@@ -133,10 +155,9 @@ class RaggedEngine:
         self.stats.lookup_rounds += bool(proposals.steps and not proposals.model_steps)
         return proposals
 
-    def verify(self, rows, content, remaining, proposals: Proposals):
-        """The target's choices [R, W] after each row's pending token and proposals, the accepted
-        proposals, committed tokens and EOS hits per row (host), the queries (a function, for the
-        observer) and the tokens the forward computed."""
+    def verify(self, rows, content, remaining, proposals: Proposals) -> "Verdict":
+        """The target's verdict on each row's proposals (a tree's, fast.trees, with tree_branches > 1):
+        the tokens each row commits and how many, in one target forward."""
         s = self.settings
         rows_dev = torch.as_tensor(rows, device=s.device)
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
@@ -146,7 +167,11 @@ class RaggedEngine:
         q = None if proposals.q is None else proposals.q[:, :width - 1]
         last = self.tokens[rows_dev, dev(content - 1)]
         tokens = torch.cat([last[:, None], drafted], dim=1)  # [R, W]: row i uses its first p_i + 1
-        if self.grouped:  # one flat forward of each row's own proposals
+        spine, tree, nodes = None, None, int(p.sum())
+        if proposals.siblings is not None:  # one flat forward of each row's tree
+            choice, accepted_t, spine, queries, verified, tree = self.verify_tree(rows, last, content, proposals)
+            nodes = verified - len(rows)
+        elif self.grouped:  # one flat forward of each row's own proposals
             choice, accepted_t, queries, verified = self.verify_flat(tokens, content, p, drafted, q, requests,
                                                                      content_t)
         else:
@@ -157,26 +182,61 @@ class RaggedEngine:
             choice, accepted_t = s.chooser.verify(logits, drafted, q, dev(p), requests, content_t)
             queries, verified = (lambda: rect_queries(pos, mask, p)), tokens.numel()
         n_t, hit_t = commit_counts(choice, accepted_t, dev(remaining), s.eos)
-        accepted, n, hit_eos = torch.stack([accepted_t, n_t, hit_t.long()]).cpu().numpy()  # one sync a round
+        counts = [accepted_t, n_t, hit_t.long()] + ([] if spine is None else [spine])
+        host = torch.stack(counts).cpu().numpy()  # one sync a round
+        accepted, n, hit_eos = host[:3]
         if s.processors is not None:  # stop strings, and the history penalties count
             n, hit_eos = s.processors.finish_round(requests, choice, n, hit_eos)
-        return choice, accepted, n, hit_eos, queries, verified
+        return Verdict(choice, accepted, n, hit_eos, queries, verified, nodes,
+                       accepted if spine is None else host[3], tree)
 
-    def commit(self, rows, content, remaining, proposals: Proposals, choice, accepted, n, hit_eos, queries,
-               round_index: int, on_done) -> None:
+    def verify_tree(self, rows, last, content, proposals: Proposals):
+        """One target forward over every row's tree (fast.trees.SiblingTrees: its chain, and the draft's
+        next most likely tokens as leaves); the chooser's choice (greedy or coupled) after every node.
+        Returns (choice [R, P + 1] along root + accepted path, accepted [R], spine_accepted [R],
+        queries, verified, tree) with the path's K/V already in the row's content slots (I3)."""
+        s = self.settings
+        dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
+        trees = SiblingTrees.of(proposals.proposed, proposals.lookup_rows, s.tree_branches, content)
+        layout = trees.layout
+        candidates = trees.candidates(last, proposals.drafted, proposals.siblings)  # [R, 1 + P * b]
+        node_tokens = candidates.gather(1, dev(trees.source))  # [R, W]
+        plan = flat_plan(layout.token_row, layout.token_index, s.window, s.dtype, s.fill, s.device, layout.position,
+                         layout.ancestors)
+        self.cache.prepare_flat(dev(layout.token_row), dev(layout.token_index), len(content),
+                                int(layout.token_index.max()) + 1)
+        ids = node_tokens[dev(layout.token_row), dev(layout.column)][None]
+        pos = dev(layout.position)[None]
+        if self.capture is not None:  # every node's features at its scratch slot; the path's are kept
+            self.capture.route(dev(layout.token_row)[None], dev(layout.token_index)[None])
+        hidden = torch.full((1, 1, 1, 1), s.fill, dtype=s.dtype, device=s.device).expand(1, 1, layout.tokens,
+                                                                                         self.cache.kv_len)
+        logits = self.target(ids, pos, hidden, self.cache, flat=plan)  # the plan's masks decide what each query sees
+        node_requests = dev(self.request[rows][layout.token_row])  # [N]
+        node_choice = s.chooser.tree_choices(logits[0], dev(layout.gather), node_requests, pos[0] + 1)  # [R, W]
+        choice, accepted, spine, path = verify_tree(trees, node_choice, node_tokens)
+        kept = [self.cache] + ([self.proposer.features] if self.capture is not None else [])
+        keep_accepted_path(kept, dev(rows), path, dev(content))
+        s.observer.check(lambda: self._check_tree(plan, layout, pos, len(content)))
+        tree = lambda: (trees.parents, node_tokens.cpu().numpy(), node_choice.cpu().numpy())  # noqa: E731
+        return choice, accepted, spine, (lambda: flat_queries(plan, len(content))), layout.tokens, tree
+
+    def commit(self, rows, content, remaining, proposals: Proposals, verdict: "Verdict", round_index: int,
+               on_done) -> None:
         """Write the target's choices at each row's own offset and add n_i to its content (no cache
-        data moves); release the rows that finished."""
+        data moves but a tree's accepted path, moved in verify_tree); release the rows that finished."""
         s = self.settings
         rows_dev = torch.as_tensor(rows, device=s.device)
-        columns = torch.as_tensor(content[:, None] + np.arange(proposals.width)[None, :], device=s.device)
+        choice, n, hit_eos = verdict.choice, verdict.n, verdict.hit_eos
+        columns = torch.as_tensor(content[:, None] + np.arange(choice.shape[1])[None, :], device=s.device)
         self.tokens[rows_dev[:, None], columns] = choice
         finished = (hit_eos > 0) | (n == remaining)
         s.observer.round(s, round_index, lambda: dict(
             requests=self.request[rows], prompt_len=self.prompt_len[rows], tokens=self._contents(rows, content),
-            pad_len=np.zeros(len(rows)), content_len=content), queries, proposals, choice, accepted, n,
-            remaining, finished, hit_eos == STOP)
+            pad_len=np.zeros(len(rows)), content_len=content), verdict.queries, proposals, choice, verdict.accepted,
+            n, remaining, finished, hit_eos == STOP, tree=verdict.tree)
         self.content_len[rows] = content + n
-        self.proposer.update(rows, n, accepted, proposals)
+        self.proposer.update(rows, n, verdict.draft_accepted, proposals)
         self._release(rows[finished], hit_eos[finished], on_done)
 
     def verify_flat(self, tokens, content, proposed, drafted, q, requests, content_t):
@@ -210,6 +270,27 @@ class RaggedEngine:
             got = pos[0][part.tokens].view(want.shape).cpu().numpy()
             slot = np.broadcast_to(np.arange(part.length), (len(members), part.length))
             found += check_positions(got, want) + check_mask(part.mask, want, slot, self.settings.window)
+        return found
+
+    def _check_tree(self, plan, layout: TreeLayout, pos, rows: int) -> list:
+        """I2, I4 of a tree verify (invariants.check_tree_forward): each part's mask over the row's
+        slots, the tree's scratch slots c - 1 .. c - 2 + size read as its nodes, against the parents."""
+        found = []
+        position = pos[0].cpu().numpy()
+        for part in plan:
+            members = np.arange(rows)[part.rows] if isinstance(part.rows, slice) else part.rows.cpu().numpy()
+            allowed = (part.mask[:, 0] == 0).cpu().numpy()  # [M, Q, length]
+            for m, row in enumerate(members):
+                size, root = int(layout.size[row]), int(layout.content[row]) - 1
+                seen = np.zeros((1, size, part.length + size), dtype=bool)
+                seen[0, :, :part.length] = allowed[m, :size]
+                seen[0, :, root:root + size] = False  # the nodes' scratch slots are read as nodes
+                seen[0, :, part.length:] = allowed[m, :size, root:root + size]
+                start = int(layout.start[row])
+                parents = layout.parent[row, :size]
+                violations = check_tree_forward(position[None, start:start + size], seen, [root + 1], [parents],
+                                                part.length, self.settings.window)
+                found += [replace(v, row=int(row)) for v in violations]
         return found
 
     def _contents(self, rows, content):
@@ -273,6 +354,7 @@ class Ragged:
     """RAGGED: rows in slots with per-row offsets, one flat verify, a freed slot refilled at once."""
     layout = "ragged"
     keeps_features = True
+    verifies_trees = True  # tree_branches > 1 (fast.trees)
 
     def __init__(self, options=None):
         pass

@@ -804,6 +804,7 @@ def add_model_args(p, draft_default=None, command=None):
 FLAGS = {
     "strategy": dict(),  # choices: strategy_names() when the parser is built, so registered strategies count
     "num_draft_tokens": dict(type=positive_int),
+    "tree_branches": dict(type=positive_int),
     "batch_size": dict(type=positive_int),
     "max_new_tokens": dict(type=positive_int),
     "draft_threshold": dict(type=probability),
@@ -875,8 +876,8 @@ def add_proposal_args(p):
 def add_decoding_args(p):
     add_proposal_args(p)
     p.add_argument("--prompts", required=True, help="JSONL (prompt or turns, optional id) or text, one per line")
-    add_options(p, ("strategy", "batch_size", "num_draft_tokens", "max_new_tokens", "temperature", "top_k", "top_p",
-                    "seed", "sampling", "max_wait", "pool_window"))
+    add_options(p, ("strategy", "batch_size", "num_draft_tokens", "tree_branches", "max_new_tokens", "temperature",
+                    "top_k", "top_p", "seed", "sampling", "max_wait", "pool_window"))
     p.add_argument("--chat-template", action="store_true", help="wrap each prompt in the tokenizer's chat template")
 
 
@@ -943,7 +944,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--methods", default="ar,spec1," + ",".join(strategy_names()),
                    help=f"comma-separated: ar, spec1, {', '.join(strategy_names())}, hf-assisted, and the "
                         "deliberately broken bsp-like, dsd-like (correctness table)")
-    add_options(p, ("num_draft_tokens", "max_new_tokens", "max_wait", "pool_window"), "bench")
+    add_options(p, ("num_draft_tokens", "tree_branches", "max_new_tokens", "max_wait", "pool_window"), "bench")
     add_proposal_args(p)
     p.add_argument("--repeats", type=positive_int, default=1, help="runs of every (method, batch size), "
                    "alternating the methods' order (default: 1)")

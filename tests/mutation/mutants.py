@@ -30,6 +30,7 @@ PROCESSORS = ["tests/test_processors.py"]
 PROCESSOR_VECTORS = ["tests/test_processor_vectors.py"]
 TREES = ["tests/test_reference_trees.py"]
 TREE_VERIFY = ["tests/test_tree_verify.py"]
+ENGINE_TREES = ["tests/test_engine_trees.py"]
 
 MUTANTS = [
     # ---- masks
@@ -460,4 +461,30 @@ MUTANTS = [
     ("engine-tree-accepts-any-node", "trees", "fast/verify.py",
      "match = real & (parent == node[:, None]) & (tokens == wanted) & going[:, None]",
      "match = real & (tokens == wanted) & going[:, None]", TREE_VERIFY),
+    # ---- token trees in generate (fast.trees, the ragged engine, the policy, the checker)
+    ("tree-draft-keeps-the-leaf", "trees", "fast/strategies/ragged.py",
+     "accepted if spine is None else host[3], tree)", "accepted, tree)", ENGINE_TREES),
+    ("tree-path-left-in-scratch-slots", "trees", "fast/trees.py",
+     "target = torch.where(path >= 0, content[:, None] + depth, trash)",
+     "target = torch.where(path >= 0, content[:, None] - 1 + path, trash)", ENGINE_TREES),
+    ("tree-leaves-under-the-proposal", "trees", "fast/trees.py",
+     "np.repeat(np.arange(p), branches - 1)[:count]", "np.repeat(np.arange(1, p + 1), branches - 1)[:count]",
+     ENGINE_TREES),
+    ("tree-siblings-keep-the-proposal", "trees", "fast/trees.py",
+     "return top.gather(1, torch.sort(other, dim=1, stable=True).indices[:, :count])", "return top[:, :count]",
+     ENGINE_TREES),
+    ("tree-commits-the-spine-choices", "trees", "fast/trees.py",
+     "choice = node_choice.gather(1, along)", "choice = node_choice[:, :trees.longest + 1]", ENGINE_TREES),
+    ("tree-scratch-slots-not-reserved", "trees", "fast/strategies/ragged.py",
+     "+ settings.k * settings.tree_branches + 1", "+ settings.k + 1", ENGINE_TREES),
+    ("tree-features-left-in-scratch-slots", "trees", "fast/strategies/ragged.py",
+     "kept = [self.cache] + ([self.proposer.features] if self.capture is not None else [])", "kept = [self.cache]",
+     ENGINE_TREES),
+    ("tree-policy-prices-one-token", "trees", "fast/policy.py",
+     "self.verify_cost.slope() * info.branches", "self.verify_cost.slope()", POLICY),
+    ("tree-commit-checker-forgives-a-short-path", "trees", "invariants/checks.py",
+     "if acc != len(path):", "if acc > len(path):", ENGINE_TREES),
+    ("reference-tree-draft-keeps-the-leaf", "trees", "reference/trees.py",
+     "state.draft_pending[rows] = n - np.minimum(np.minimum(spine, k_round - 1), n)",
+     "state.draft_pending[rows] = n - np.minimum(np.minimum(accepted, k_round - 1), n)", ENGINE_TREES),
 ]

@@ -1,0 +1,102 @@
+"""Sibling-leaf token trees for the ragged engine's greedy verify (reference.trees is the specification).
+
+A row's tree is its chain of proposals (the spine: node j, 1 <= j <= p, carries d_j under node j - 1)
+plus, under each spine node j - 1 < p, the draft's b - 1 next most likely tokens at that step as
+leaves: the candidates for position c - 1 + j should d_j miss. Spine nodes are numbered first, so a
+tree's first p + 1 nodes are the row's chain (fast.layout.VerifyLayout); the leaves follow, step by
+step. A lookup row (its proposals came from prompt lookup, fast.drafts.lookup_draft) has no draft
+distribution to take leaves from: its tree is its chain.
+
+One verify forward computes every node's target logits (fast.layout.TreeLayout, tree masks from
+parents and lengths, never from token ids); the greedy walk (fast.verify.greedy_tree_path) accepts
+the longest path whose tokens are the target's argmaxes; the row commits the argmaxes along root +
+path; the path's K/V move from scratch slots to content slots (SlotCache.keep_path, I3), and so do a
+feature draft's target features (fast.drafts.feature_draft: every node's are captured at its
+scratch slot). The draft's own cache holds K/V of the spine only, so the proposer is told how many
+leading path nodes are spine nodes (`spine_accepted`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .drafts.reduced_head import SubsetLogits
+from .layout import TreeLayout
+from .verify import greedy_tree_path
+
+
+def sibling_tokens(logits, token: torch.Tensor, count: int) -> torch.Tensor:
+    """[R, count]: each row's `count` most likely draft tokens other than its proposal `token` [R],
+    most likely first (distinct, so the leaves under one node carry distinct tokens)."""
+    if isinstance(logits, SubsetLogits):
+        top = logits.token_ids[logits.values.topk(count + 1, dim=-1).indices]
+    else:
+        top = logits.topk(count + 1, dim=-1).indices  # [R, count + 1]
+    other = (top == token[:, None]).to(torch.int8)  # 1 where the proposal itself: sorted last, stably
+    return top.gather(1, torch.sort(other, dim=1, stable=True).indices[:, :count])
+
+
+@dataclass(frozen=True)
+class SiblingTrees:
+    """One round's trees over the rows: the layout and, per node, where its token is found in the
+    round's candidate matrix [R, 1 + P * b] = (pending token, d_1..d_P, step 0's b - 1 siblings, step
+    1's, ...), P the longest proposal."""
+
+    layout: TreeLayout
+    parents: list  # per row, its nodes' parents (np arrays)
+    source: np.ndarray  # [R, W] column of node j of row i in the candidate matrix (clamped past its last)
+    longest: int  # P
+
+    @classmethod
+    def of(cls, proposed, lookup_rows, branches: int, content) -> "SiblingTrees":
+        proposed = np.asarray(proposed, dtype=np.int64)
+        longest = int(proposed.max(initial=0))
+        leaves = np.where(lookup_rows, 0, proposed * (branches - 1))
+        parents = [np.concatenate([np.arange(-1, p), np.repeat(np.arange(p), branches - 1)[:count]])
+                   for p, count in zip(proposed, leaves)]
+        layout = TreeLayout.of(parents, content)
+        node = np.minimum(np.arange(layout.parent.shape[1])[None, :], layout.size[:, None] - 1)
+        spine = node <= proposed[:, None]
+        source = np.where(spine, node, 1 + longest + node - proposed[:, None] - 1)
+        return cls(layout, parents, source, longest)
+
+    def candidates(self, pending: torch.Tensor, drafted: torch.Tensor, siblings: torch.Tensor) -> torch.Tensor:
+        """The candidate matrix from the pending tokens [R], the proposals [R, >= P] and the siblings
+        [R, >= P, b - 1]."""
+        p = self.longest
+        return torch.cat([pending[:, None], drafted[:, :p], siblings[:, :p].reshape(len(pending), -1)], dim=1)
+
+
+def verify_tree(trees: SiblingTrees, node_choice: torch.Tensor, node_tokens: torch.Tensor):
+    """(choice [R, P + 1], accepted [R], spine_accepted [R], path [R, P]) from the target's argmax
+    after every node, node_choice [R, W], and the nodes' tokens [R, W]: the argmaxes along root +
+    accepted path (what the row commits, a prefix of it), the path's length, how many of its first
+    nodes are spine nodes (the draft's K/V of those stay valid), and the path's nodes (-1 after)."""
+    dev = node_choice.device
+    layout = trees.layout
+    path, accepted = greedy_tree_path(node_choice, node_tokens, torch.as_tensor(layout.parent, device=dev),
+                                      torch.as_tensor(layout.size, device=dev))
+    path = path[:, :trees.longest]  # a path is at most as deep as the row's chain
+    root = torch.zeros(len(path), 1, dtype=path.dtype, device=dev)
+    along = torch.cat([root, path.clamp(min=0)], dim=1)  # [R, P + 1]
+    choice = node_choice.gather(1, along)
+    spine = path == torch.arange(1, trees.longest + 1, device=dev)[None, :]
+    return choice, accepted, spine.long().cumprod(dim=1).sum(dim=1), path
+
+
+def path_moves(path: torch.Tensor, content: torch.Tensor, trash: int):
+    """(source, target) [R, P]: node path[i, j]'s scratch slot c_i - 1 + node and the content slot
+    c_i + j its K/V (and a feature draft's features) belong to; past a row's path, the trash slot."""
+    depth = torch.arange(path.shape[1], device=path.device)[None, :]
+    source = torch.where(path >= 0, content[:, None] - 1 + path, trash)
+    target = torch.where(path >= 0, content[:, None] + depth, trash)
+    return source, target
+
+
+def keep_accepted_path(buffers, rows: torch.Tensor, path: torch.Tensor, content: torch.Tensor) -> None:
+    """I3 after a tree verify: in each buffer (the target's SlotCache; a feature draft's FeatureBuffer),
+    node path[i, j]'s entry moves to content slot c_i + j; every source is read before any write."""
+    for buffer in buffers:
+        buffer.keep_path(rows, *path_moves(path, content, buffer.capacity))
