@@ -18,7 +18,6 @@ from .observer import Observer
 from .policy import RoundInfo, RoundOutcome
 from .proposals import ThresholdRule
 from .sampling import Greedy
-from .trees import sibling_tokens
 
 
 class Arrivals:
@@ -237,7 +236,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             token, dist, confidence = _choose_drafts(settings, logits, requests, content + step, found, lookup_rows,
                                                      steps, device)
             if branches > 1:  # leaves of the row's tree (lookup rows have none)
-                siblings.append(sibling_tokens(logits, token, branches - 1))
+                siblings.append(settings.chooser.siblings(logits, dist, token, requests, content + step, branches - 1))
         elif found is not None:  # lookup rows alone: no model, and greedy builds no [R, V] logits
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
             if branches > 1:  # never read: every row drafting at this step is a lookup row, which has no leaves

@@ -34,8 +34,9 @@ class Observer:
         """rows() -> requests, prompt_len, tokens, pad_len and content_len of the round's rows (host or
         device); queries() -> per row, the position ids [Q_i] and visible slots [Q_i, S] (bool) of its own verify
         queries, as host arrays; stopped [R]: the rows a stop string ended; tree() -> (parents per row,
-        node tokens [R, W], node choices [R, W]) of a tree round (fast.trees), whose choice [R, P + 1]
-        holds the target's choices along root + accepted path."""
+        node tokens [R, W], node choices [R, W] (None under rejection sampling), accepted path [R, P])
+        of a tree round (fast.trees), whose choice [R, P + 1] holds the tokens along root + path and
+        the one after it."""
 
     def end_round(self, round_index: int) -> None:
         pass
@@ -54,8 +55,9 @@ class InvariantChecker(Observer):
               stopped=None, tree=None) -> None:
         """I5 and I6 of the commit (a tree round's against its tree), I7 of the proposals."""
         if tree is not None:
-            self.found += check_tree_commit(*tree(), accepted, committed_lists(choice, n), remaining,
-                                            settings.eos_ids, stopped)
+            parents, node_tokens, node_choice, path = tree()
+            self.found += check_tree_commit(parents, node_tokens, node_choice, accepted, committed_lists(choice, n),
+                                            remaining, settings.eos_ids, stopped, path, choice.cpu().numpy())
         else:
             drafted = proposals.drafted.cpu().numpy()[:, :proposals.width - 1]
             self.found += check_round_commit(drafted, choice.cpu().numpy(), proposals.proposed, accepted,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 PRIME = 2_147_483_647  # 2^31 - 1
-PURPOSES = {"draft": 1, "accept": 2, "sample": 3, "gumbel": 4}
+PURPOSES = {"draft": 1, "accept": 2, "sample": 3, "gumbel": 4,
+            "sibling": 5, "accept-sibling": 6}  # a token tree's extra candidates (fast.trees), keyed by their number
 _MULTIPLIERS = (1_103_515_245 % PRIME, 69_069, 1_664_525, 22_695_477, 1_566_083_941 % PRIME)
 
 

@@ -88,6 +88,17 @@ def mode_probability(log_probs: torch.Tensor) -> torch.Tensor:
     return torch.softmax(log_probs.float(), dim=-1).max(dim=-1).values
 
 
+def ranked_siblings(logits, token: torch.Tensor, count: int) -> torch.Tensor:
+    """[R, count]: each row's `count` most likely draft tokens other than its proposal `token` [R],
+    most likely first (distinct, so the leaves under one node carry distinct tokens)."""
+    if isinstance(logits, SubsetLogits):
+        top = logits.token_ids[logits.values.topk(count + 1, dim=-1).indices]
+    else:
+        top = logits.topk(count + 1, dim=-1).indices  # [R, count + 1]
+    other = (top == token[:, None]).to(torch.int8)  # 1 where the proposal itself: sorted last, stably
+    return top.gather(1, torch.sort(other, dim=1, stable=True).indices[:, :count])
+
+
 class Chooser:
     """draft(logits [R, V] or SubsetLogits, requests, positions, lookup=None, use_lookup=None) ->
     (proposals [R], q [R, V] or None, confidence [R]); with a lookup step (fast.drafts.lookup_draft.LookupStep),
@@ -118,6 +129,11 @@ class Chooser:
 
     def verify_flat(self, logits, layout, drafted, q, limit, requests, first_position):
         return self.verify(logits[layout], drafted, q, limit, requests, first_position)
+
+    def siblings(self, logits, q, token, requests, positions, count: int) -> torch.Tensor:
+        """[R, count]: a draft step's extra candidates beside its proposal `token` (a token tree's leaves,
+        fast.trees): the draft's next most likely tokens (Rejection overrides: independent draws)."""
+        return ranked_siblings(logits, token, count)
 
     def tree_choices(self, logits, gather, requests, predicted):
         """[R, W]: the token the target takes after each node of a tree verify (fast.trees), from the
@@ -220,6 +236,14 @@ class Coupled(Sampled):
 
 class Rejection(Sampled):
     needs_q = True
+
+    def siblings(self, logits, q, token, requests, positions, count: int) -> torch.Tensor:
+        """count more independent draws from q [R, V], each keyed by its number (multi-candidate
+        rejection needs every candidate drawn from q independently: proofs_notes/trees.md, Lemma T6);
+        they may repeat the proposal or each other."""
+        number = torch.arange(1, count + 1, device=q.device)[None, :]
+        u = rng.uniform(*(key[:, None] for key in self.keys(requests)), positions[:, None], "sibling", number)
+        return sample_from(q[:, None, :].expand(-1, count, -1), u)
 
     def draft(self, logits, requests, positions, lookup=None, use_lookup=None, prefix=None):
         q = self.log_probs(self.draft_logits(logits, lookup, use_lookup), requests, prefix).exp()

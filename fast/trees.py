@@ -22,20 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .drafts.reduced_head import SubsetLogits
+from . import rng
 from .layout import TreeLayout
+from .sampling import residual_distribution, sample_from
 from .verify import greedy_tree_path
-
-
-def sibling_tokens(logits, token: torch.Tensor, count: int) -> torch.Tensor:
-    """[R, count]: each row's `count` most likely draft tokens other than its proposal `token` [R],
-    most likely first (distinct, so the leaves under one node carry distinct tokens)."""
-    if isinstance(logits, SubsetLogits):
-        top = logits.token_ids[logits.values.topk(count + 1, dim=-1).indices]
-    else:
-        top = logits.topk(count + 1, dim=-1).indices  # [R, count + 1]
-    other = (top == token[:, None]).to(torch.int8)  # 1 where the proposal itself: sorted last, stably
-    return top.gather(1, torch.sort(other, dim=1, stable=True).indices[:, :count])
 
 
 @dataclass(frozen=True)
@@ -48,6 +38,8 @@ class SiblingTrees:
     parents: list  # per row, its nodes' parents (np arrays)
     source: np.ndarray  # [R, W] column of node j of row i in the candidate matrix (clamped past its last)
     longest: int  # P
+    proposed: np.ndarray  # [R] spine nodes per row, p_i
+    branches: int  # b: candidates per spine step (the proposal and b - 1 leaves; lookup rows: 1)
 
     @classmethod
     def of(cls, proposed, lookup_rows, branches: int, content) -> "SiblingTrees":
@@ -60,7 +52,7 @@ class SiblingTrees:
         node = np.minimum(np.arange(layout.parent.shape[1])[None, :], layout.size[:, None] - 1)
         spine = node <= proposed[:, None]
         source = np.where(spine, node, 1 + longest + node - proposed[:, None] - 1)
-        return cls(layout, parents, source, longest)
+        return cls(layout, parents, source, longest, proposed, branches)
 
     def candidates(self, pending: torch.Tensor, drafted: torch.Tensor, siblings: torch.Tensor) -> torch.Tensor:
         """The candidate matrix from the pending tokens [R], the proposals [R, >= P] and the siblings
@@ -83,6 +75,61 @@ def verify_tree(trees: SiblingTrees, node_choice: torch.Tensor, node_tokens: tor
     along = torch.cat([root, path.clamp(min=0)], dim=1)  # [R, P + 1]
     choice = node_choice.gather(1, along)
     spine = path == torch.arange(1, trees.longest + 1, device=dev)[None, :]
+    return choice, accepted, spine.long().cumprod(dim=1).sum(dim=1), path
+
+
+def rejection_walk(trees: SiblingTrees, p_nodes: torch.Tensor, node_tokens: torch.Tensor, q: torch.Tensor,
+                   lookup_rows, keys, content: torch.Tensor):
+    """Multi-candidate rejection sampling down each row's tree (SpecInfer's multi-step speculative
+    sampling; proofs_notes/trees.md, Lemma T6): at the current spine node, with target distribution
+    p' (first the node's p), each candidate child in turn, the spine child then the leaves, all
+    drawn from the step's q independently, is accepted with probability min(1, p'(c) / q(c)), and
+    on a reject p' becomes norm(max(0, p' - q)). A spine child accepted moves the walk down; a leaf
+    accepted ends it with the next token drawn from p at the leaf; no child accepted ends it with
+    the next token from p'; a node without candidates gives it from its p. The committed tokens are
+    distributed as target-only sampling's. With one candidate per node this is the chain's
+    Rejection.verify, draw for draw (the same keys).
+
+    p_nodes [R, W, V] the target's processed distribution after each node, node_tokens [R, W], q
+    [R, >= P, V] the draft's per step, lookup_rows [R] (no leaves), keys (seeds, ids) [R], content
+    [R]. Returns verify_tree's (choice [R, P + 1], accepted [R], spine_accepted [R], path [R, P])."""
+    rows, longest, dev = len(node_tokens), trees.longest, node_tokens.device
+    every = torch.arange(rows, device=dev)
+    proposed = torch.as_tensor(trees.proposed, device=dev)
+    leaves_at = torch.as_tensor(~np.asarray(lookup_rows, dtype=bool), device=dev)
+    width = node_tokens.shape[1]
+    path = torch.full((rows, longest), -1, dtype=torch.long, device=dev)
+    going = torch.ones(rows, dtype=torch.bool, device=dev)
+    final = torch.zeros_like(p_nodes[:, 0])
+    for depth in range(longest):
+        testing = going & (depth < proposed)  # rows with candidates below spine node `depth`
+        residual, q_step, child = p_nodes[:, depth], q[:, depth], torch.full_like(proposed, -1)
+        for number in range(trees.branches):
+            node = (torch.full_like(proposed, depth + 1) if number == 0
+                    else proposed + 1 + depth * (trees.branches - 1) + number - 1)
+            undecided = testing & (child < 0) & (leaves_at if number else True)
+            token = node_tokens.gather(1, node.clamp(max=width - 1)[:, None])[:, 0]
+            position = content + depth
+            u = (rng.uniform(*keys, position, "accept") if number == 0 else
+                 rng.uniform(*keys, position, "accept-sibling", torch.full_like(position, number)))
+            ok = undecided & (u * q_step[every, token] < residual[every, token])
+            child = torch.where(ok, node, child)
+            residual = torch.where((undecided & ~ok)[:, None], residual_distribution(residual, q_step), residual)
+        path[:, depth] = torch.where(testing & (child >= 0), child, -1)
+        on_spine = child == depth + 1
+        at_leaf = p_nodes[every, child.clamp(min=0, max=width - 1)]
+        ends = going & ~on_spine
+        dist = torch.where((child > depth + 1)[:, None], at_leaf, torch.where(testing[:, None], residual,
+                                                                              p_nodes[:, depth]))
+        final = torch.where(ends[:, None], dist, final)
+        going = going & on_spine
+    final = torch.where(going[:, None], p_nodes[:, longest], final)  # through the whole spine: the bonus
+    accepted = (path >= 0).sum(dim=1)
+    token = sample_from(final, rng.uniform(*keys, content + accepted, "sample"))
+    along = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=dev), path.clamp(min=0)], dim=1)
+    choice = torch.cat([node_tokens.gather(1, along[:, 1:]), token[:, None]], dim=1)
+    choice.scatter_(1, accepted[:, None], token[:, None])  # the sampled token right after the path
+    spine = path == torch.arange(1, longest + 1, device=dev)[None, :]
     return choice, accepted, spine.long().cumprod(dim=1).sum(dim=1), path
 
 

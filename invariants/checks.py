@@ -236,30 +236,45 @@ def check_round_commit(drafted, choice, limit, accepted, committed, remaining, e
 
 
 def check_tree_commit(parents, node_tokens, node_choice, accepted, committed, remaining, eos_ids,
-                      stopped=None) -> list[Violation]:
-    """I5 and I6 for one greedy tree round, row by row (reference.trees.greedy_path).
+                      stopped=None, path=None, choice=None) -> list[Violation]:
+    """I5 and I6 for one tree round, row by row (reference.trees.greedy_path).
 
-    I5: the accepted path walks from the root to the child carrying the target's choice at the
-    current node (node_choice [R, W]; node_tokens [R, W] the nodes' tokens; parents[i] row i's
-    parents) while one does; accepted is its length. I6 then holds as for the chain of the path's
-    tokens, with the target's choices along root + path (check_round_commit)."""
-    node_tokens, node_choice = as_numpy(node_tokens), as_numpy(node_choice)
+    Greedy or coupled (node_choice [R, W] the target's choice after each node; node_tokens [R, W]
+    the nodes' tokens; parents[i] row i's parents): I5, the accepted path walks from the root to the
+    child carrying the target's choice at the current node while one does, and accepted is its
+    length. Rejection sampling (node_choice None): the given path [R, P] (-1 after its end) must
+    run from the root down parent links, accepted is its length, and the committed tokens are its
+    tokens then choice[i, accepted] [R, P + 1]. I6 then holds as for the chain of the path's tokens
+    (check_round_commit)."""
+    node_tokens = as_numpy(node_tokens)
     out = []
     for i, parent in enumerate(parents):
-        path, node = [], 0
-        while True:
-            child = [j for j in range(1, len(parent)) if parent[j] == node and node_tokens[i, j] == node_choice[i, node]]
-            if not child:
-                break
-            node = child[0]
-            path.append(node)
+        if node_choice is not None:
+            row_path, node = [], 0
+            while True:
+                child = [j for j in range(1, len(parent))
+                         if parent[j] == node and node_tokens[i, j] == as_numpy(node_choice)[i, node]]
+                if not child:
+                    break
+                node = child[0]
+                row_path.append(node)
+            along = as_numpy(node_choice)[i, [0] + row_path]
+        else:
+            row_path = [int(v) for v in as_numpy(path)[i] if v >= 0]
+            links = [0] + row_path
+            if any(parent[b] != a for a, b in zip(links, links[1:])):
+                out.append(Violation("I5", "the accepted path does not run down the tree's parent links", row=i,
+                                     index=0, expected="a root path", actual=row_path))
+                continue
+            along = np.concatenate([node_tokens[i, row_path], as_numpy(choice)[i, len(row_path):len(row_path) + 1]])
         acc = int(as_numpy(accepted)[i])
-        if acc != len(path):
-            out.append(Violation("I5", "accepted count is not the length of the tree's greedy path", row=i,
-                                 index=len(path), expected=len(path), actual=acc))
+        if acc != len(row_path):
+            out.append(Violation("I5", "accepted count is not the length of the tree's accepted path", row=i,
+                                 index=len(row_path), expected=len(row_path), actual=acc))
             continue
-        along = node_choice[i, [0] + path][None]
-        found = check_round_commit(node_tokens[i, path][None], along, [acc], [acc], [committed[i]],
+        if node_choice is None:  # the path's tokens are the committed ones: compare them as the chain's
+            along = np.concatenate([node_tokens[i, row_path], along[-1:]])
+        found = check_round_commit(node_tokens[i, row_path][None], along[None], [acc], [acc], [committed[i]],
                                    [as_numpy(remaining)[i]], eos_ids, None if stopped is None else [stopped[i]])
         out += [replace(v, row=i) for v in found]
     return out

@@ -206,20 +206,18 @@ def _check_draft(target, draft, tokenizer, draft_tokenizer, runner, strategy: st
 def _tree_branches(opts: GenerateOptions, draft, k: int, runner, settings, vocab: int, trace) -> int:
     """The round's candidates per drafted position (fast.trees): 1 without drafts or for a draft
     whose logits rank no candidates beyond its first (a prompt lookup alone proposes a chain);
-    else opts.tree_branches, refused (ValueError) outside a strategy that verifies trees, greedy or
-    coupled decoding without logit processors, and no trace."""
+    else opts.tree_branches, refused (ValueError) outside a strategy that verifies trees, with logit
+    processors, or with a trace."""
     if opts.tree_branches == 1 or not k or not abilities_of(draft).ranks_candidates:
         return 1
     name = f"tree_branches={opts.tree_branches}"
     if not getattr(runner, "verifies_trees", False):
         verifying = ", ".join(repr(n) for n, cls in STRATEGIES.items() if getattr(cls, "verifies_trees", False))
         raise ValueError(f"{name} needs a strategy that verifies trees ({verifying}), got strategy={opts.strategy!r}")
-    if opts.tree_branches > vocab - 1:
+    if opts.tree_branches > vocab:
         raise ValueError(f"{name} exceeds the candidates a vocabulary of {vocab} tokens has")
-    refused = [(opts.temperature and opts.sampling == "rejection",
-                "rejection sampling: rejection over several candidates is not implemented; use sampling='coupled'"),
-               (settings.processors is not None and settings.processors.changes_logits,
-                "penalties, logit_bias or min_tokens: the leaves would be the unprocessed draft's"),
+    refused = [(settings.processors is not None and settings.processors.changes_logits,
+                "penalties, logit_bias or min_tokens: processors count the tokens of a chain, not of each node's path"),
                (trace is not None, "trace=: traces record chain rounds")]
     for refused_now, why in refused:
         if refused_now:

@@ -17,7 +17,8 @@ from hf_models import EOS, FIXED_K, VOCAB, oracle, save_folder, tiny
 from specbatch.fast.drafts.lookup_draft import PromptLookupDraft
 from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.fast.equivalence import compare
-from specbatch.fast.trees import SiblingTrees, sibling_tokens
+from specbatch.fast.sampling import ranked_siblings
+from specbatch.fast.trees import SiblingTrees
 from specbatch.reference import ToyLM, deviate_at, deviate_hashed, greedy_decode
 from specbatch.reference import ScriptedDraft as ReferenceScriptedDraft
 from specbatch.reference import generate as reference_generate
@@ -133,6 +134,24 @@ def test_trees_with_drafts_that_read_the_targets_features(kind, lookup):
     assert not target.model.norm._forward_hooks
 
 
+@pytest.mark.parametrize("draft", ["second-guess", "random", "feature"])
+def test_rejection_trees_run_with_every_check(draft):
+    """Rejection sampling over trees (the distribution itself: tests/test_sampling.py): every round's
+    accepted path runs down the tree's parent links and commits its tokens then the sampled one
+    (check_tree_commit without node choices), both caches stay a fresh prefill's (I3), and a draft
+    equal to the target (q = p) accepts every proposal."""
+    from test_feature_draft import DRAFTS
+    target = tiny("llama")
+    chosen = {"second-guess": second_guess(target), "random": tiny("llama", layers=1, seed=5),
+              "feature": DRAFTS["feature"](target, 4)}[draft]
+    sampled = dict(temperature=0.8, top_p=0.9, sampling="rejection", seed=3, max_new_tokens=BUDGETS,
+                   eos_token_id=[EOS], num_draft_tokens=3, check_invariants=True, **FIXED_K)
+    result = specbatch.generate(target, chosen, PROMPTS, batch_size=4, tree_branches=3, **sampled)
+    assert all(len(s) <= b for s, b in zip(result.sequences, BUDGETS)) and result.stats["nodes_per_row_round"] > 3
+    same = specbatch.generate(target, target, PROMPTS, batch_size=4, tree_branches=2, **sampled)
+    assert same.stats["acceptance_rate"] > 0.999
+
+
 def test_float32_trees_match_target_only_decoding_up_to_ties():
     target = tiny("llama", dtype=torch.float32)
     reference = specbatch.generate(target, None, PROMPTS, max_new_tokens=BUDGETS, batch_size=1)
@@ -163,8 +182,8 @@ def test_the_reference_tree_rounds_equal_greedy_decoding_and_accept_more():
 
 def test_siblings_are_the_next_most_likely_tokens_without_the_proposal():
     logits = torch.tensor([[0.0, 5.0, 3.0, 4.0, 1.0], [9.0, 1.0, 2.0, 3.0, 0.0]])
-    assert sibling_tokens(logits, torch.tensor([1, 3]), 2).tolist() == [[3, 2], [0, 2]]  # proposal dropped
-    assert sibling_tokens(logits, torch.tensor([4, 4]), 2).tolist() == [[1, 3], [0, 3]]  # not in the top
+    assert ranked_siblings(logits, torch.tensor([1, 3]), 2).tolist() == [[3, 2], [0, 2]]  # proposal dropped
+    assert ranked_siblings(logits, torch.tensor([4, 4]), 2).tolist() == [[1, 3], [0, 3]]  # not in the top
 
 
 def test_sibling_trees_number_the_spine_first_and_give_lookup_rows_none():
@@ -179,10 +198,9 @@ def test_sibling_trees_number_the_spine_first_and_give_lookup_rows_none():
 
 @pytest.mark.parametrize("bad, why", [
     (dict(strategy="eqspec"), "needs a strategy that verifies trees"),
-    (dict(temperature=0.7), "rejection sampling"),
     (dict(repetition_penalty=1.3), "penalties"),
     (dict(trace="TRACE"), "trace"),
-    (dict(tree_branches=VOCAB), "exceeds the candidates"),
+    (dict(tree_branches=VOCAB + 1), "exceeds the candidates"),
 ])
 def test_what_trees_do_not_run_with_is_refused_by_name(bad, why, tmp_path):
     target = tiny("llama")
@@ -234,6 +252,13 @@ def test_the_tree_commit_checker_names_a_wrong_path_and_a_wrong_commit():
     assert [v.invariant for v in spine] == ["I5"]
     past_eos = check_tree_commit(parents, tokens, choice, [1], [[6, 8]], [5], (6,))
     assert [v.invariant for v in past_eos] == ["I6"]
+    # rejection sampling: no node choices; the path must run down parent links, its tokens committed
+    sampled = np.array([[4, 5, 3]])  # path 1 -> 2, then the sampled token 3
+    assert check_tree_commit(parents, tokens, None, [2], [[4, 5, 3]], [5], (), path=[[1, 2]], choice=sampled) == []
+    broken = check_tree_commit(parents, tokens, None, [2], [[4, 5, 3]], [5], (), path=[[3, 2]], choice=sampled)
+    assert [v.invariant for v in broken] == ["I5"]
+    miscounted = check_tree_commit(parents, tokens, None, [1], [[4, 3]], [5], (), path=[[1, 2]], choice=sampled)
+    assert [v.invariant for v in miscounted] == ["I5"]
 
 
 def test_after_tree_rounds_the_feature_buffer_holds_the_targets_features_of_the_content():

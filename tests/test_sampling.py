@@ -268,3 +268,56 @@ def test_temperature_zero_is_greedy():
     greedy = specbatch.generate(target, target, PROMPTS, max_new_tokens=8).sequences
     assert specbatch.generate(target, target, PROMPTS, max_new_tokens=8, temperature=0.0, seed=9,
                               sampling="coupled").sequences == greedy
+
+
+# ---------------------------------------------------------------- token trees (fast.trees), rejection mode
+
+@pytest.mark.parametrize("branches", [2, 3])
+def test_rejection_over_a_tree_has_the_target_joint_distribution(branches):
+    """Multi-candidate rejection (proofs_notes/trees.md, Lemma T6): every candidate drawn from q
+    independently, each tested against the residual the rejected ones left."""
+    counts, result = sample_joint(tree_branches=branches, policy="fixed")
+    assert result.stats["nodes_per_row_round"] > 2  # more than a chain of k = 2: the leaves were verified
+    assert chi_square(counts, expected_joint()) < CHI2_CRITICAL_DF26_ALPHA_0001
+
+
+@pytest.mark.parametrize("mutant", ["ranked-leaves", "residual-not-updated"])
+def test_chi_square_rejects_broken_tree_samplers(monkeypatch, mutant):
+    """Leaves that are the draft's next most likely tokens tested as if drawn from q, or a residual
+    left as it was after a rejected sibling: both bias the committed tokens."""
+    from specbatch.fast import trees
+    if mutant == "ranked-leaves":
+        monkeypatch.setattr(sampling.Rejection, "siblings", sampling.Chooser.siblings)
+    else:
+        real = trees.residual_distribution
+        calls = {"n": 0}
+
+        def stale_after_the_first(p, q):  # the spine's reject updates p', a rejected leaf's does not
+            calls["n"] += 1
+            return real(p, q) if calls["n"] % 3 == 1 else p
+        monkeypatch.setattr(trees, "residual_distribution", stale_after_the_first)
+    counts, _ = sample_joint(tree_branches=3, policy="fixed")
+    assert chi_square(counts, expected_joint()) > CHI2_CRITICAL_DF26_ALPHA_0001
+
+
+def test_a_rejection_tree_with_one_candidate_per_node_is_the_chain_draw_for_draw():
+    """rejection_walk over a chain (tree_branches 1) makes Rejection.verify's choices and counts."""
+    from specbatch.fast.trees import SiblingTrees, rejection_walk
+    rng = np.random.default_rng(4)
+    chooser = sampling.Rejection(1.0, None, None, torch.tensor([3, 4, 5, 6]))
+    for _ in range(20):
+        k, v = 3, 6
+        p = torch.tensor(rng.dirichlet(np.ones(v) * 0.5, (4, k + 1)))
+        q = torch.tensor(rng.dirichlet(np.ones(v) * 0.5, (4, k)))
+        proposed = rng.integers(0, k + 1, 4)
+        drafted = torch.tensor(rng.integers(0, v, (4, k)))
+        content = torch.tensor(rng.integers(1, 50, 4))
+        choice, accepted = chooser.verify(p.log(), drafted, q, torch.as_tensor(proposed), torch.arange(4), content)
+        trees = SiblingTrees.of(proposed, np.zeros(4, dtype=bool), 1, content.numpy())
+        nodes = torch.cat([torch.zeros(4, 1, dtype=torch.long), drafted], dim=1)[:, :trees.layout.parent.shape[1]]
+        p_nodes = p[:, :nodes.shape[1]]
+        got, got_accepted, spine, _ = rejection_walk(trees, p_nodes, nodes, q, np.zeros(4, dtype=bool),
+                                                     chooser.keys(torch.arange(4)), content)
+        assert got_accepted.tolist() == accepted.tolist() == spine.tolist()
+        for i in range(4):
+            assert got[i, :accepted[i] + 1].tolist() == choice[i, :accepted[i] + 1].tolist()

@@ -27,7 +27,10 @@ IMPOSED_Q = np.array([[[0.1, 0.2, 0.7], [0.6, 0.2, 0.2], [0.3, 0.6, 0.1]],
 
 class ImposedLM(WeightlessLM):
     """A "model" whose next-token distribution is table[position, previous token]; it keeps a dummy
-    cache entry per token so the engine's cache bookkeeping runs as for a real model."""
+    cache entry per token so the engine's cache bookkeeping runs as for a real model. It attends to
+    nothing, so any verify layout (a token tree's included) gives each query its own distribution."""
+
+    attends = False
 
     def __init__(self, table):
         table = np.asarray(table)

@@ -29,7 +29,7 @@ from ..proposer import proposer_for
 from ..compute.slot_cache import SlotCache
 from ..compute.slot_forward import slot_forward, storage_dtype
 from ..processors import STOP, STOP_REASONS
-from ..trees import SiblingTrees, keep_accepted_path, verify_tree
+from ..trees import SiblingTrees, keep_accepted_path, rejection_walk, verify_tree
 from ..verify import commit_counts
 
 
@@ -57,7 +57,7 @@ class Verdict:
     verified: int  # queries the target's forward computed
     nodes: int  # proposals and tree nodes verified (the roots not counted)
     draft_accepted: np.ndarray  # [R] leading accepted proposals from the draft's own chain (its K/V stay valid)
-    tree: Callable | None = None  # () -> (parents, node tokens [R, W], node choices [R, W]): a tree round's
+    tree: Callable | None = None  # () -> (parents, node tokens [R, W], node choices [R, W] or None, path [R, P])
 
 
 class RaggedEngine:
@@ -79,7 +79,8 @@ class RaggedEngine:
         self.queue = SlotQueue(slots)
         # the target runs the engine's attention (which groups rows by length): needed by the flat verify
         self.grouped = uses_engine_attention(target.model)
-        if settings.tree_branches > 1 and not self.grouped:
+        # a target that attends to nothing (fast.drafts.scripted.ImposedLM) needs no masks to verify a tree
+        if settings.tree_branches > 1 and not (self.grouped or getattr(target.model, "attends", True) is False):
             raise ValueError(f"tree_branches={settings.tree_branches} needs the flat verify, which the target's "
                              f"attention ({type(target.model).__name__}) does not run; use tree_branches=1")
         self.arrivals = settings.arrivals or Arrivals(len(prompts))
@@ -213,12 +214,20 @@ class RaggedEngine:
                                                                                          self.cache.kv_len)
         logits = self.target(ids, pos, hidden, self.cache, flat=plan)  # the plan's masks decide what each query sees
         node_requests = dev(self.request[rows][layout.token_row])  # [N]
-        node_choice = s.chooser.tree_choices(logits[0], dev(layout.gather), node_requests, pos[0] + 1)  # [R, W]
-        choice, accepted, spine, path = verify_tree(trees, node_choice, node_tokens)
+        if s.chooser.needs_q:  # rejection: each node's candidates tested in turn against its residual
+            p_nodes = s.chooser.log_probs(logits[0], node_requests).exp()[dev(layout.gather)]  # [R, W, V]
+            node_choice = None
+            choice, accepted, spine, path = rejection_walk(trees, p_nodes, node_tokens, proposals.q,
+                                                           proposals.lookup_rows, s.chooser.keys(dev(self.request[rows])),
+                                                           dev(content))
+        else:  # greedy, coupled: the target's choice after every node, and the walk along it
+            node_choice = s.chooser.tree_choices(logits[0], dev(layout.gather), node_requests, pos[0] + 1)  # [R, W]
+            choice, accepted, spine, path = verify_tree(trees, node_choice, node_tokens)
         kept = [self.cache] + ([self.proposer.features] if self.capture is not None else [])
         keep_accepted_path(kept, dev(rows), path, dev(content))
         s.observer.check(lambda: self._check_tree(plan, layout, pos, len(content)))
-        tree = lambda: (trees.parents, node_tokens.cpu().numpy(), node_choice.cpu().numpy())  # noqa: E731
+        tree = lambda: (trees.parents, node_tokens.cpu().numpy(),  # noqa: E731
+                        None if node_choice is None else node_choice.cpu().numpy(), path.cpu().numpy())
         return choice, accepted, spine, (lambda: flat_queries(plan, len(content))), layout.tokens, tree
 
     def commit(self, rows, content, remaining, proposals: Proposals, verdict: "Verdict", round_index: int,
