@@ -7,7 +7,9 @@ tiny two-token-context model and a noisy copy as its draft; logits offset to abo
 models): exact target-only sampling and correct speculative sampling (the null), then each named
 bug; the processor bugs (PROCESSOR_BUGS) and their own null runs on the processor vectors
 (sampled_vectors(processors=True)). draft-bf16-logits is also run on a pair whose logits sit near 100 (bfloat16's step there is
-0.5), to show how its power grows with the rounding it causes. Each run draws its own vectors
+0.5), to show how its power grows with the rounding it causes. The textbook sampler over token
+trees (tree_branches 3: multi-candidate rejection, proofs_notes/trees.md) runs as a null and with
+each of TREE_BUGS. Each run draws its own vectors
 (prompts and row seeds); the checker is specbatch.conformance.sampled.check_samples at alpha 0.001.
 Writes power.json (every run's p-value and verdict, and the machine) and power.md (the table).
 """
@@ -20,8 +22,10 @@ from pathlib import Path
 
 from specbatch.cli.machine import describe_machine
 from specbatch.conformance.sampled import ALPHA
-from specbatch.conformance.sampling_engines import BUGS, PROCESSOR_BUGS, sampling_engine
+from specbatch.conformance.sampling_engines import BUGS, PROCESSOR_BUGS, TREE_BUGS, sampling_engine
 from specbatch.conformance.testing import sampled_power, toy_sampling_pair
+
+TREE_BRANCHES = 3  # the tree engines' candidates per drafted position
 
 
 def main():
@@ -42,6 +46,9 @@ def main():
              ("speculative on processor vectors (null)", target, draft, None, a.runs, True)]
     cases += [(bug, target, draft, bug, a.runs, bug in PROCESSOR_BUGS) for bug in BUGS]
     cases.append(("draft-bf16-logits, logits near 100", big_target, big_draft, "draft-bf16-logits", a.runs, False))
+    # token trees (3 candidates per position): the correct multi-candidate rejection, then its bugs
+    cases.append(("speculative over token trees (null)", target, draft, None, a.runs, False, TREE_BRANCHES))
+    cases += [(bug, target, draft, bug, a.runs, False, TREE_BRANCHES) for bug in TREE_BUGS]
     if a.only:
         cases = [c for c in cases if c[0] in a.only.split(",")]
     machine = describe_machine()
@@ -54,12 +61,14 @@ def main():
         if not earlier["machine"]["summary"].endswith(machine["summary"]):  # the table names every machine its rows ran on
             machine = dict(machine, summary=f"{earlier['machine']['summary']}; then {machine['summary']}")
         cases = [c for c in cases if c[0] not in {r["engine"] for r in results}]
-    for name, t, d, bug, runs, processors in cases:
+    for name, t, d, bug, runs, processors, *branches in cases:
         start = time.time()
-        reports = sampled_power(sampling_engine(t, d, bug=bug), t, runs=runs, seed=10_000, processors=processors)
+        engine = sampling_engine(t, d, bug=bug, tree_branches=branches[0] if branches else 1)
+        reports = sampled_power(engine, t, runs=runs, seed=10_000, processors=processors)
         p = [r.p_value() for r in reports]
         rejected = sum(not r.conformant for r in reports)
         results.append(dict(engine=name, bug=bug, runs=runs, rejected=rejected, p_values=p, processors=processors,
+                            tree_branches=branches[0] if branches else 1,
                             violations=sum(bool(r.violations) for r in reports),
                             seconds=round(time.time() - start, 1)))
         print(f"{name:40s} rejected {rejected}/{runs}  ({time.time() - start:.0f} s)", flush=True)
@@ -81,7 +90,10 @@ def write(out: Path, command: str, machine: dict, results: list) -> None:
     for r in results:
         p = sorted(r["p_values"])
         vectors = "processors" if r.get("processors") else "default"
-        lines.append(f"| {r['engine']} | {BUGS.get(r['bug'], 'nothing (exact)')} | {vectors} | {r['runs']} | "
+        what = {**BUGS, **TREE_BUGS}.get(r["bug"], "nothing (exact)")
+        if r.get("tree_branches", 1) > 1:
+            vectors += f", trees of {r['tree_branches']} candidates per position"
+        lines.append(f"| {r['engine']} | {what} | {vectors} | {r['runs']} | "
                      f"{r['rejected']} | "
                      f"{p[len(p) // 2]:.2g} | {p[-1]:.2g} |")
     (out / "power.md").write_text("\n".join(lines) + "\n")

@@ -4,7 +4,9 @@
         --engines specbatch-rejection,specbatch-coupled,transformers-sample,transformers-assisted \
         [--samples-for transformers-assisted=64] [--outputs vllm-target-only=vllm.jsonl ...] --out DIR
 
-Engines run in this process (specbatch.conformance.testing adapters, batch size --batch-size); --outputs adds
+Engines run in this process (specbatch.conformance.testing adapters, batch size --batch-size;
+specbatch-rejection-trees and specbatch-coupled-trees verify token trees of 3 candidates per
+position, every row drafting k); --outputs adds
 engines run elsewhere (benchmarks/conform_vllm.py) by their outputs file. --samples-for ENGINE=N
 runs that engine on the first N samples of each request only (for engines too slow for the full
 size; the checker then judges those rows). Writes verdicts.json (per engine: rows, seconds of the
@@ -22,6 +24,8 @@ from specbatch.cli.machine import describe_machine
 from specbatch.prepare import load
 from specbatch.conformance.sampled import check_samples, load_sampled_vectors, read_sampled_outputs
 from specbatch.conformance.testing import hf_sampling_engine, run_sampled, specbatch_sampling_engine
+
+TREE_BRANCHES = 3  # the specbatch-*-trees engines' candidates per drafted position
 
 
 def main():
@@ -48,6 +52,11 @@ def main():
     assistant = draft if isinstance(draft, PreTrainedModel) else draft.model
     make = {"specbatch-rejection": lambda: specbatch_sampling_engine(target, draft, "rejection"),
             "specbatch-coupled": lambda: specbatch_sampling_engine(target, draft, "coupled"),
+            # token trees (fast.trees): TREE_BRANCHES candidates per drafted position, every row drafting k
+            "specbatch-rejection-trees": lambda: specbatch_sampling_engine(target, draft, "rejection", policy="fixed",
+                                                                           tree_branches=TREE_BRANCHES),
+            "specbatch-coupled-trees": lambda: specbatch_sampling_engine(target, draft, "coupled", policy="fixed",
+                                                                         tree_branches=TREE_BRANCHES),
             "transformers-sample": lambda: hf_sampling_engine(target),
             "transformers-assisted": lambda: hf_sampling_engine(target, assistant)}
     results = []

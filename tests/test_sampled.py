@@ -321,3 +321,22 @@ def test_cli_make_sample_and_check(folders, prompt_file, tmp_path, capsys):
     assert "--target is required" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"id": \n')
     assert main(["conform", "check", str(vectors), str(tmp_path / "bad.jsonl"), "--target", str(folders["target"])]) == 2
+
+
+# ---------------------------------------------------------------- token trees (multi-candidate rejection)
+
+def test_the_textbook_sampler_over_token_trees_passes_and_its_tree_bugs_are_flagged():
+    """The textbook sampler with 3 candidates per position (proofs_notes/trees.md, Lemma T6) passes at
+    the default size; ranked leaves tested as if drawn (rejected in 100 of 100 runs of the power table;
+    tree-residual-stale in 94: tests/test_sampling.py's chi-square rejects it) fail the prefix tree."""
+    target, draft = TOY
+    vectors = sampled_vectors(target, seed=2)
+    report = check_samples(vectors, run_sampled(sampling_engine(target, draft, tree_branches=3), vectors), target)
+    assert report.conformant and not report.violations, report.table()
+    for bug in ["tree-ranked-leaves"]:
+        broken = check_samples(vectors, run_sampled(sampling_engine(target, draft, bug=bug, tree_branches=3), vectors),
+                               target)
+        assert not broken.conformant
+        assert min(p for name, p in broken.p_values() if "tree" in name) < broken.threshold, broken.table()
+    with pytest.raises(ValueError, match="needs tree_branches >= 2"):
+        sampling_engine(target, draft, bug="tree-ranked-leaves")

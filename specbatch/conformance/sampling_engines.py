@@ -45,6 +45,12 @@ BUGS = {
     "min-tokens-off-by-one": "EOS held back until min_tokens - 1 new tokens (vllm-project/vllm PR 41768's class)",
 }
 PROCESSOR_BUGS = ("processors-bonus-only", "penalties-drafts-ignored", "min-tokens-off-by-one")
+# Bugs of multi-candidate rejection over token trees (tree_branches > 1; proofs_notes/trees.md, Lemma T6)
+TREE_BUGS = {
+    "tree-ranked-leaves": "a token tree's leaves are the draft's next most likely tokens (as in greedy trees), tested "
+                          "as if drawn from q",
+    "tree-residual-stale": "after a rejected leaf the next candidate is tested against the residual from before it",
+}
 
 
 def _last_logits(model, tokens, lengths, last: int) -> torch.Tensor:
@@ -114,11 +120,16 @@ def _draft_step(logits, temperature, top_k, top_p, bug, u, min_p=0.0):
     return sample_from(source, u), q
 
 
-def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens: int = 4, planted=None):
-    """The textbook sampler on (target, draft) as an engine; bug: None or a key of BUGS; planted:
-    (tv, positions) for target-only sampling with a planted deviation (see planted_engine)."""
-    if bug is not None and bug not in BUGS:
-        raise ValueError(f"unknown bug {bug!r}; known: {', '.join(BUGS)}")
+def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens: int = 4, planted=None,
+                    tree_branches: int = 1):
+    """The textbook sampler on (target, draft) as an engine; bug: None or a key of BUGS or TREE_BUGS;
+    planted: (tv, positions) for target-only sampling with a planted deviation (see planted_engine);
+    tree_branches > 1: each drafted position also has tree_branches - 1 leaves, further draws from
+    the step's q, and the candidates are tested in turn against the residual (_tree_walk)."""
+    if bug is not None and bug not in BUGS and bug not in TREE_BUGS:
+        raise ValueError(f"unknown bug {bug!r}; known: {', '.join([*BUGS, *TREE_BUGS])}")
+    if bug in TREE_BUGS and tree_branches < 2:
+        raise ValueError(f"{bug} is a bug of token trees: it needs tree_branches >= 2")
     if planted is not None and draft is not None:
         raise ValueError("a planted deviation is for target-only sampling (draft=None)")
     k = num_draft_tokens if draft is not None else 0
@@ -146,24 +157,19 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
             drafted = work.gather(1, length[:, None] + torch.arange(k, device=device)[None, :])  # [R, k]
             p = _target_probs(target, work, length, prompt_len[rows], k, proc, eos_ids, bug, temperature, top_k,
                               top_p)  # [R, k + 1, V]
-            accepted = torch.zeros(len(rows), dtype=torch.long, device=device)
-            if k:
-                q = torch.stack(q, dim=1)  # [R, k, V]
-                accepted = _accepted(p, q, drafted, made[rows], stream, bug)
             index = torch.arange(len(rows), device=device)
-            p_at = p[index, accepted]
-            dist = p_at
-            if planted is not None:  # target-only: every live row is at the same position, made[rows]
-                dist = _plant(dist, planted, int(made[rows][0]), sample_fn.planted)
-            if k:
-                q_at = q[index, accepted.clamp(max=k - 1)]
-                residual = (p_at - q_at).clamp(min=0) if bug == "residual-unnormalised" else \
-                    residual_distribution(p_at, q_at)
-                bonus = p_at
-                if bug == "bonus-from-draft":
-                    bonus = _probs(_process(_last_logits(draft, work, length + k, 1), work, prompt_len[rows], length + k,
-                                            proc, eos_ids, bug)[:, 0], temperature, top_k, top_p, None, proc.min_p)
-                dist = torch.where((accepted < k)[:, None], residual, bonus)
+            q = torch.stack(q, dim=1) if k else None  # [R, k, V]
+            if k and tree_branches > 1:
+                accepted, dist = _tree_walk(target, work, length, prompt_len[rows], p, q, drafted, made[rows], stream,
+                                            tree_branches, proc, eos_ids, bug, temperature, top_k, top_p)
+            else:
+                accepted = _accepted(p, q, drafted, made[rows], stream, bug) if k else torch.zeros_like(rows)
+                dist = p[index, accepted]
+                if planted is not None:  # target-only: every live row is at the same position, made[rows]
+                    dist = _plant(dist, planted, int(made[rows][0]), sample_fn.planted)
+                if k:
+                    dist = _chain_next(dist, q[index, accepted.clamp(max=k - 1)], accepted < k, draft, work, length,
+                                       prompt_len[rows], k, proc, eos_ids, bug, temperature, top_k, top_p)
             token = sample_from(dist, rng.uniform(stream, zero, made[rows] + accepted, "sample"))
             work[index, length + accepted] = token
             committed, hit_eos = _committed(work, length, accepted, budget[rows] - made[rows], eos, k)
@@ -173,6 +179,65 @@ def sampling_engine(target, draft=None, bug: str | None = None, num_draft_tokens
         return [tokens[i, len(p):len(p) + int(made[i])].tolist() for i, p in enumerate(prompts)]
     sample_fn.planted = []  # with planted: the TV distance of every token drawn at a planted position
     return sample_fn
+
+
+def _chain_next(p_at, q_at, rejected, draft, work, length, prompt_len, k: int, proc, eos_ids, bug, temperature,
+                top_k, top_p):
+    """The next token's distribution after a chain's accepted drafts: the residual norm(max(0, p - q))
+    after a reject, else p (the bonus-from-draft bug: the draft's next distribution)."""
+    residual = (p_at - q_at).clamp(min=0) if bug == "residual-unnormalised" else residual_distribution(p_at, q_at)
+    bonus = p_at
+    if bug == "bonus-from-draft":
+        bonus = _probs(_process(_last_logits(draft, work, length + k, 1), work, prompt_len, length + k, proc, eos_ids,
+                                bug)[:, 0], temperature, top_k, top_p, None, proc.min_p)
+    return torch.where(rejected[:, None], residual, bonus)
+
+
+def _tree_walk(target, work, length, prompt_len, p, q, drafted, made, stream, branches: int, proc, eos_ids, bug,
+               temperature, top_k, top_p):
+    """Multi-candidate rejection down a tree per row: under each spine token's parent, the spine
+    token then branches - 1 leaves drawn from the same q, each with its own noise; candidate c is
+    accepted with probability min(1, p'(c) / q(c)), p' the residual the rejected ones left (first the
+    node's p). A leaf accepted is written into `work` in place of the spine token and ends the walk.
+    Returns (tokens accepted per row [R], the distribution of the next token [R, V]: p after the
+    whole spine, the residual where no candidate was accepted, p after an accepted leaf)."""
+    rows, k = drafted.shape
+    index, zero = torch.arange(rows, device=work.device), torch.zeros_like(stream)
+    number = torch.arange(1, branches, device=work.device)[None, :]
+    leaves = []
+    for j in range(k):
+        if bug == "tree-ranked-leaves":
+            top = q[:, j].topk(branches, dim=-1).indices
+            keep = torch.sort((top == drafted[:, j:j + 1]).to(torch.int8), dim=1, stable=True).indices[:, :branches - 1]
+            leaves.append(top.gather(1, keep))
+        else:
+            u = rng.uniform(stream[:, None], zero[:, None], (made + j)[:, None], "sibling", number)
+            leaves.append(sample_from(q[:, j][:, None, :].expand(-1, branches - 1, -1), u))
+    going = torch.ones(rows, dtype=torch.bool, device=work.device)
+    accepted, at_leaf = torch.zeros_like(made), torch.zeros(rows, dtype=torch.bool, device=work.device)
+    dist = p[:, k].clone()  # every spine token accepted: the next token from p after them
+    for j in range(k):
+        residual, chosen = p[:, j], torch.full_like(made, -1)
+        for a in range(branches):
+            token = drafted[:, j] if a == 0 else leaves[j][:, a - 1]
+            u = (rng.uniform(stream, zero, made + j, "accept") if a == 0 else
+                 rng.uniform(stream, zero, made + j, "accept-sibling", torch.full_like(made, a)))
+            undecided = going & (chosen < 0)
+            ok = undecided & (u * q[index, j, token] < residual[index, token])
+            chosen = torch.where(ok, a, chosen)
+            if not (bug == "tree-residual-stale" and a > 0):
+                residual = torch.where((undecided & ~ok)[:, None], residual_distribution(residual, q[:, j]), residual)
+        leaf = going & (chosen > 0)
+        work[index[leaf], length[leaf] + j] = leaves[j][leaf, (chosen[leaf] - 1)]
+        dist = torch.where((going & (chosen < 0))[:, None], residual, dist)
+        accepted += going & (chosen >= 0)
+        at_leaf |= leaf
+        going = going & (chosen == 0)
+    if at_leaf.any():  # the next token after an accepted leaf: the target's p after it
+        after = _probs(_process(_last_logits(target, work, length + accepted, 1), work, prompt_len, length + accepted,
+                                proc, eos_ids, bug)[:, 0], temperature, top_k, top_p, None, proc.min_p)
+        dist = torch.where(at_leaf[:, None], after, dist)
+    return accepted, dist
 
 
 def _prompt_buffer(prompts, budget, k: int, device):

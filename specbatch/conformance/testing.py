@@ -349,41 +349,12 @@ def hf_sampling_engine(target, draft=None, num_assistant_tokens: int = 4):
     return sample_fn
 
 
-def broken_sampling_engine(target, draft, bug: str, num_draft_tokens: int = 4):
-    """specbatch.conformance.sampling_engines' textbook sampler with one of its BUGS (they must be flagged)."""
-    from .sampling_engines import sampling_engine
-    return sampling_engine(target, draft, bug=bug, num_draft_tokens=num_draft_tokens)
-
-
-TREE_BUGS = {
-    "tree-ranked-leaves": "a token tree's leaves are the draft's next most likely tokens (as in greedy mode), tested "
-                          "by multi-candidate rejection as if drawn from q",
-    "tree-sibling-noise-reused": "every leaf is drawn with the uniform that drew the proposal, so the candidates are "
-                                 "not independent draws from q",
-}
-
-
-def broken_tree_sampling_engine(target, draft, bug: str, tree_branches: int = 3, **options):
-    """specbatch's rejection sampling over token trees (fast.trees) with one named bug (TREE_BUGS) in
-    how the leaves are drawn: the sampled checker must flag it."""
-    from ..fast import sampling
-    if bug not in TREE_BUGS:
-        raise ValueError(f"unknown tree bug {bug!r}; expected one of {', '.join(TREE_BUGS)}")
-
-    def siblings(self, logits, q, token, requests, positions, count):
-        if bug == "tree-ranked-leaves":
-            return sampling.ranked_siblings(logits, token, count)
-        u = sampling.rng.uniform(*self.keys(requests), positions, "draft")  # the proposal's own draw
-        return sampling.sample_from(q, u)[:, None].expand(-1, count)
-    engine = specbatch_sampling_engine(target, draft, "rejection", tree_branches=tree_branches, **options)
-
-    def run(*args, **kw):
-        real, sampling.Rejection.siblings = sampling.Rejection.siblings, siblings
-        try:
-            return engine(*args, **kw)
-        finally:
-            sampling.Rejection.siblings = real
-    return run
+def broken_sampling_engine(target, draft, bug: str, num_draft_tokens: int = 4, tree_branches: int | None = None):
+    """specbatch.conformance.sampling_engines' textbook sampler with one of its BUGS or TREE_BUGS (they
+    must be flagged); a tree bug runs over token trees of 3 candidates per position by default."""
+    from .sampling_engines import TREE_BUGS, sampling_engine
+    branches = tree_branches or (3 if bug in TREE_BUGS else 1)
+    return sampling_engine(target, draft, bug=bug, num_draft_tokens=num_draft_tokens, tree_branches=branches)
 
 
 def run_sampled(sample_fn, vectors, batch_size: int | None = None, timeout: float | None = None, *,
