@@ -179,7 +179,7 @@ class Proposals:
     model_steps: int
     lookup_rows: np.ndarray  # rows that drafted by prompt lookup alone
     host_confidence: np.ndarray | None = None  # [R, steps] float64, where the rule read confidences
-    siblings: torch.Tensor | None = None  # [R, steps, b - 1] the draft's next most likely tokens (fast.trees)
+    siblings: torch.Tensor | None = None  # [R, steps, b - 1] each step's other candidates, a tree's leaves (fast.trees)
 
     @property
     def limit(self) -> np.ndarray:

@@ -1,19 +1,22 @@
-"""Sibling-leaf token trees for the ragged engine's greedy verify (reference.trees is the specification).
+"""Sibling-leaf token trees in the ragged engine (tree_branches > 1; reference.trees is the specification).
 
 A row's tree is its chain of proposals (the spine: node j, 1 <= j <= p, carries d_j under node j - 1)
-plus, under each spine node j - 1 < p, the draft's b - 1 next most likely tokens at that step as
-leaves: the candidates for position c - 1 + j should d_j miss. Spine nodes are numbered first, so a
-tree's first p + 1 nodes are the row's chain (fast.layout.VerifyLayout); the leaves follow, step by
-step. A lookup row (its proposals came from prompt lookup, fast.drafts.lookup_draft) has no draft
-distribution to take leaves from: its tree is its chain.
+plus, under each spine node j - 1 < p, b - 1 leaves: the other candidates for position c - 1 + j
+should d_j miss. In greedy and coupled mode they are the draft's next most likely tokens at that
+step; in rejection mode, further independent draws from the step's q (fast.sampling, the
+chooser's `siblings`). Spine nodes are numbered first, so a tree's first p + 1 nodes are the row's
+chain (fast.layout.VerifyLayout); the leaves follow, step by step. A lookup row (its proposals came
+from prompt lookup, fast.drafts.lookup_draft) has no draft distribution to take leaves from: its
+tree is its chain.
 
 One verify forward computes every node's target logits (fast.layout.TreeLayout, tree masks from
-parents and lengths, never from token ids); the greedy walk (fast.verify.greedy_tree_path) accepts
-the longest path whose tokens are the target's argmaxes; the row commits the argmaxes along root +
-path; the path's K/V move from scratch slots to content slots (SlotCache.keep_path, I3), and so do a
-feature draft's target features (fast.drafts.feature_draft: every node's are captured at its
-scratch slot). The draft's own cache holds K/V of the spine only, so the proposer is told how many
-leading path nodes are spine nodes (`spine_accepted`).
+parents and lengths, never from token ids). Greedy and coupled: the walk (fast.verify.greedy_tree_path,
+`verify_tree`) accepts the longest path whose tokens are the target's choices, and the row commits
+the choices along root + path. Rejection: `rejection_walk` tests each node's candidates in turn.
+Either way the path's K/V move from scratch slots to content slots (SlotCache.keep_path, I3), and
+so do a feature draft's target features (fast.drafts.feature_draft: every node's are captured at
+its scratch slot). The draft's own cache holds K/V of the spine only, so the proposer is told how
+many leading path nodes are spine nodes (`spine_accepted`; proofs_notes/trees.md, Lemma T4).
 """
 from __future__ import annotations
 

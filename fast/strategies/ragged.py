@@ -49,7 +49,7 @@ def flat_queries(plan, rows: int) -> list:
 class Verdict:
     """What one verify decided, per row (host arrays, but choice)."""
 
-    choice: torch.Tensor  # [R, W] the target's tokens after the root and each accepted node: row i commits choice[i, :n_i]
+    choice: torch.Tensor  # [R, W] the tokens after the root and each accepted node: row i commits choice[i, :n_i]
     accepted: np.ndarray  # [R] accepted proposals (a tree's: the accepted path's length)
     n: np.ndarray  # [R] committed tokens
     hit_eos: np.ndarray  # [R] why the row stopped this round (processors.STOP_REASONS; 0: it did not)
