@@ -247,18 +247,19 @@ def check_tree_commit(parents, node_tokens, node_choice, accepted, committed, re
     tokens then choice[i, accepted] [R, P + 1]. I6 then holds as for the chain of the path's tokens
     (check_round_commit)."""
     node_tokens = as_numpy(node_tokens)
+    node_choice = None if node_choice is None else as_numpy(node_choice)
     out = []
     for i, parent in enumerate(parents):
         if node_choice is not None:
             row_path, node = [], 0
             while True:
                 child = [j for j in range(1, len(parent))
-                         if parent[j] == node and node_tokens[i, j] == as_numpy(node_choice)[i, node]]
+                         if parent[j] == node and node_tokens[i, j] == node_choice[i, node]]
                 if not child:
                     break
                 node = child[0]
                 row_path.append(node)
-            along = as_numpy(node_choice)[i, [0] + row_path]
+            along = node_choice[i, [0] + row_path]
         else:
             row_path = [int(v) for v in as_numpy(path)[i] if v >= 0]
             links = [0] + row_path
@@ -272,8 +273,6 @@ def check_tree_commit(parents, node_tokens, node_choice, accepted, committed, re
             out.append(Violation("I5", "accepted count is not the length of the tree's accepted path", row=i,
                                  index=len(row_path), expected=len(row_path), actual=acc))
             continue
-        if node_choice is None:  # the path's tokens are the committed ones: compare them as the chain's
-            along = np.concatenate([node_tokens[i, row_path], along[-1:]])
         found = check_round_commit(node_tokens[i, row_path][None], along[None], [acc], [acc], [committed[i]],
                                    [as_numpy(remaining)[i]], eos_ids, None if stopped is None else [stopped[i]])
         out += [replace(v, row=i) for v in found]

@@ -204,24 +204,19 @@ class RaggedEngine:
         node_tokens = candidates.gather(1, dev(trees.source))  # [R, W]
         plan = flat_plan(layout.token_row, layout.token_index, s.window, s.dtype, s.fill, s.device, layout.position,
                          layout.ancestors)
-        self.cache.prepare_flat(dev(layout.token_row), dev(layout.token_index), len(content),
-                                int(layout.token_index.max()) + 1)
         ids = node_tokens[dev(layout.token_row), dev(layout.column)][None]
         pos = dev(layout.position)[None]
-        if self.capture is not None:  # every node's features at its scratch slot; the path's are kept
-            self.capture.route(dev(layout.token_row)[None], dev(layout.token_index)[None])
-        hidden = torch.full((1, 1, 1, 1), s.fill, dtype=s.dtype, device=s.device).expand(1, 1, layout.tokens,
-                                                                                         self.cache.kv_len)
-        logits = self.target(ids, pos, hidden, self.cache, flat=plan)  # the plan's masks decide what each query sees
+        # every node's features at its scratch slot (the accepted path's move with its K/V)
+        logits = self._flat_forward(layout, ids, pos, plan, dev(layout.token_index)[None])  # [N, V]
         node_requests = dev(self.request[rows][layout.token_row])  # [N]
         if s.chooser.needs_q:  # rejection: each node's candidates tested in turn against its residual
-            p_nodes = s.chooser.log_probs(logits[0], node_requests).exp()[dev(layout.gather)]  # [R, W, V]
+            p_nodes = s.chooser.log_probs(logits, node_requests).exp()[dev(layout.gather)]  # [R, W, V]
             node_choice = None
             choice, accepted, spine, path = rejection_walk(trees, p_nodes, node_tokens, proposals.q,
                                                            proposals.lookup_rows, s.chooser.keys(dev(self.request[rows])),
                                                            dev(content))
         else:  # greedy, coupled: the target's choice after every node, and the walk along it
-            node_choice = s.chooser.tree_choices(logits[0], dev(layout.gather), node_requests, pos[0] + 1)  # [R, W]
+            node_choice = s.chooser.tree_choices(logits, dev(layout.gather), node_requests, pos[0] + 1)  # [R, W]
             choice, accepted, spine, path = verify_tree(trees, node_choice, node_tokens)
         kept = [self.cache] + ([self.proposer.features] if self.capture is not None else [])
         keep_accepted_path(kept, dev(rows), path, dev(content))
@@ -254,21 +249,28 @@ class RaggedEngine:
         s = self.settings
         layout = VerifyLayout.of(proposed, content)
         plan = flat_plan(layout.token_row, layout.token_index, s.window, s.dtype, s.fill, s.device)
-        cache = self.cache
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
-        cache.prepare_flat(dev(layout.token_row), dev(layout.token_index), len(proposed),
-                           int(layout.token_index.max()) + 1)
         ids = tokens[dev(layout.token_row), dev(layout.column)][None]
         pos = dev(layout.token_index)[None]
-        if self.capture is not None:  # features of every verified position (rejected ones are never read)
-            self.capture.route(dev(layout.token_row)[None], pos)
-        hidden = torch.full((1, 1, 1, 1), s.fill, dtype=s.dtype, device=s.device).expand(1, 1, layout.tokens,
-                                                                                         cache.kv_len)
-        logits = self.target(ids, pos, hidden, cache, flat=plan)  # the plan's masks decide what each query sees
-        choice, accepted = s.chooser.verify_flat(logits[0], dev(layout.gather), drafted, q, dev(proposed), requests,
+        logits = self._flat_forward(layout, ids, pos, plan, pos)  # features of every verified position
+        choice, accepted = s.chooser.verify_flat(logits, dev(layout.gather), drafted, q, dev(proposed), requests,
                                                  content_t)
         s.observer.check(lambda: self._check_flat(plan, layout, pos, len(proposed)))
         return choice, accepted, (lambda: flat_queries(plan, len(proposed))), layout.tokens
+
+    def _flat_forward(self, layout, ids, pos, plan, feature_index) -> torch.Tensor:
+        """The target's logits [N, V] of one flat forward over a layout's queries (VerifyLayout or
+        TreeLayout): query t's K/V go to slot layout.token_index[t] of its row, a feature draft's
+        features to feature_index; the plan's masks decide what each query sees."""
+        s = self.settings
+        dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
+        self.cache.prepare_flat(dev(layout.token_row), dev(layout.token_index), len(layout.content),
+                                int(layout.token_index.max()) + 1)
+        if self.capture is not None:  # rejected positions' features are never read
+            self.capture.route(dev(layout.token_row)[None], feature_index)
+        hidden = torch.full((1, 1, 1, 1), s.fill, dtype=s.dtype, device=s.device).expand(1, 1, layout.tokens,
+                                                                                         self.cache.kv_len)
+        return self.target(ids, pos, hidden, self.cache, flat=plan)[0]
 
     def _check_flat(self, plan, layout: VerifyLayout, pos, rows: int) -> list:
         """I2, I4 of a flat verify against what the lengths alone say row r's query j must be: c_r - 1 + j."""

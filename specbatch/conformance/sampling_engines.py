@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..fast import rng
-from ..fast.sampling import processed_log_probs, residual_distribution, sample_from
+from ..fast.sampling import processed_log_probs, ranked_siblings, residual_distribution, sample_from
 
 BUGS = {
     "draft-without-temperature": "the draft samples at temperature 1 while acceptance uses its tempered q "
@@ -206,10 +206,8 @@ def _tree_walk(target, work, length, prompt_len, p, q, drafted, made, stream, br
     number = torch.arange(1, branches, device=work.device)[None, :]
     leaves = []
     for j in range(k):
-        if bug == "tree-ranked-leaves":
-            top = q[:, j].topk(branches, dim=-1).indices
-            keep = torch.sort((top == drafted[:, j:j + 1]).to(torch.int8), dim=1, stable=True).indices[:, :branches - 1]
-            leaves.append(top.gather(1, keep))
+        if bug == "tree-ranked-leaves":  # what a greedy tree takes: the next most likely tokens
+            leaves.append(ranked_siblings(q[:, j], drafted[:, j], branches - 1))
         else:
             u = rng.uniform(stream[:, None], zero[:, None], (made + j)[:, None], "sibling", number)
             leaves.append(sample_from(q[:, j][:, None, :].expand(-1, branches - 1, -1), u))

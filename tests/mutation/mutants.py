@@ -181,7 +181,7 @@ MUTANTS = [
      "return n.copy() if model_steps else pending + n", "return np.maximum(n - 1, 1) if model_steps else pending + n",
      FEATURES),
     ("feature-verify-routed-one-index-late", "features", "fast/strategies/ragged.py",
-     "self.capture.route(dev(layout.token_row)[None], pos)", "self.capture.route(dev(layout.token_row)[None], pos + 1)",
+     "logits = self._flat_forward(layout, ids, pos, plan, pos)", "logits = self._flat_forward(layout, ids, pos, plan, pos + 1)",
      FEATURES),
     ("feature-head-drops-residual", "features", "fast/drafts/feature_draft.py",
      "predicted = features + self.down(F.silu(x))", "predicted = self.down(F.silu(x))",
