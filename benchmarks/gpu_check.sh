@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_check.sh --device cpu --tiny      # the same steps on a CPU at tiny sizes
 #
 # Writes its logs and gpu_check.json to $OUT (default ./gpu_check_out). Exits non-zero when a test fails.
+# The tests stop after TESTS_TIMEOUT_S seconds (default 300), so that the speed table still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 device=cuda
@@ -42,7 +43,7 @@ fi
 start=$(date +%s)
 modules=()
 for name in backend fast_engine bfloat16 sampling invariants proposals conform; do modules+=("$repo/tests/test_$name.py"); done
-(cd "$run_in" && python3 -m pytest -q -p no:cacheprovider "${plugin[@]}" --rootdir "$repo" --device "$device" -x \
+(cd "$run_in" && timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider "${plugin[@]}" --rootdir "$repo" --device "$device" -x \
     "${modules[@]}") >"$out/tests.log" 2>&1
 tests=$?
 echo "device tests: exit $tests in $(( $(date +%s) - start )) s ($out/tests.log)"
