@@ -129,9 +129,17 @@ def speculative(target, draft, prompts, new_tokens: int, plain, k: int) -> dict:
     options = dict(batch_size=len(prompts), strategy="ragged", num_draft_tokens=k, policy="fixed")
     specbatch.generate(target, draft, prompts, max_new_tokens=4, **options)
     result = specbatch.generate(target, draft, prompts, max_new_tokens=new_tokens, **options)
-    exact = sum(a == b for a, b in zip(result.sequences, plain.sequences))
     return dict(tokens_per_second=result.stats["tokens_per_second"], tau=result.stats["mean_accepted_length"],
-                exact=f"{exact}/{len(prompts)}")
+                **verdicts(target, prompts, result.sequences, plain.sequences))
+
+
+def verdicts(target, prompts, sequences, references) -> dict:
+    """How many speculative outputs equal target-only's, and how many differ only at a floating-point
+    tie (fast.equivalence: the ulp rule of the model's dtype) or at an algorithmic error."""
+    from specbatch.fast.equivalence import compare
+    reports = compare(target, prompts, sequences, references)
+    kinds = [r.get("kind", "exact") for r in reports]
+    return dict(exact=f"{kinds.count('exact')}/{len(prompts)}", ties=kinds.count("tie"), errors=kinds.count("error"))
 
 
 def tests_line(path) -> str:
@@ -195,13 +203,13 @@ def table(report: dict) -> str:
              f"self-draft: its first {m['draft_layers']}; copy bandwidth {report['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
              f"device tests: {report['tests']}", "",
              "| batch | engine step ms | transformers step ms | bandwidth floor ms | engine / floor | "
-             "target-only tok/s | speculative tok/s | speculative / target-only | tau | exact | CUDA graphs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "target-only tok/s | speculative tok/s | speculative / target-only | tau | exact | ties | errors | CUDA graphs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append(f"| {r['batch']} | {r['engine_step_ms']:.2f} | {r['hf_step_ms']:.2f} | {r['floor_ms']:.3f} | "
                      f"{r['engine_step_ms'] / r['floor_ms']:.1f}x | {r['target_only_tokens_per_second']:.1f} | "
                      f"{r['tokens_per_second']:.1f} | {r['tokens_per_second'] / r['target_only_tokens_per_second']:.2f}x"
-                     f" | {r['tau']:.2f} | {r['exact']} | {report['cuda_graphs']} |")
+                     f" | {r['tau']:.2f} | {r['exact']} | {r.get('ties', '')} | {r.get('errors', '')} | {report['cuda_graphs']} |")
     widths = report["verify_ms_by_width"]
     lines += ["", "| verify width (tokens per row, batch 1) | " + " | ".join(str(w) for w in widths) + " |",
               "|---|" + "---|" * len(widths),

@@ -26,12 +26,14 @@ ARCHS = {
                                                               num_attention_heads=4, num_key_value_heads=2,
                                                               sliding_window=512)),
     # Gemma 2: attention and final logits soft-capped (tanh), strong enough to change greedy output;
-    # untied embeddings (tied ones make a random Gemma repeat its last token whatever the attention)
+    # untied embeddings (tied ones make a random Gemma repeat its last token whatever the attention);
+    # eager attention for the oracle: transformers 5.17 defaults Gemma 2 to SDPA, which skips the
+    # attention soft-capping (found on the H100 check; transformers 5.25 refuses SDPA for Gemma 2)
     "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                                           num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
                                                           attn_logit_softcapping=0.8, final_logit_softcapping=2.0,
                                                           sliding_window=512, initializer_range=0.3,
-                                                          tie_word_embeddings=False)),
+                                                          tie_word_embeddings=False, attn_implementation="eager")),
 }
 
 

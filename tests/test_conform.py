@@ -64,9 +64,17 @@ def test_specbatch_strategies_conform(target, vectors, strategy):
 
 @pytest.mark.parametrize("mode", ["draft", "lookup"])
 def test_transformers_assisted_generation_conforms(target, vectors, mode):
+    """Except transformers 5.17's prompt lookup, which returns no token at all for prompts of up to
+    10 tokens here (found on the H100 check; 5.18 and later are right): the kit must say so."""
+    import transformers
+    from packaging.version import Version
     draft = tiny("llama", layers=1, seed=4) if mode == "draft" else None
-    check_engine(hf_assisted_engine(target, draft, prompt_lookup_num_tokens=3 if mode == "lookup" else None),
-                 vectors, batch_sizes=(1,), orders=("input",))
+    engine = hf_assisted_engine(target, draft, prompt_lookup_num_tokens=3 if mode == "lookup" else None)
+    if mode == "lookup" and Version(transformers.__version__).release[:2] == (5, 17):
+        with pytest.raises(ConformanceError, match="the output stops early"):
+            check_engine(engine, vectors, batch_sizes=(1,), orders=("input",))
+        return
+    check_engine(engine, vectors, batch_sizes=(1,), orders=("input",))
 
 
 def test_one_changed_token_is_reported_at_its_request_and_index(vectors):
