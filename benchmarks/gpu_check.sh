@@ -43,7 +43,7 @@ fi
 start=$(date +%s)
 modules=()
 for name in backend fast_engine bfloat16 sampling invariants proposals conform; do modules+=("$repo/tests/test_$name.py"); done
-(cd "$run_in" && timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider "${plugin[@]}" --rootdir "$repo" --device "$device" -x \
+(cd "$run_in" && timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider "${plugin[@]}" --rootdir "$repo" --device "$device" --maxfail=20 \
     "${modules[@]}") >"$out/tests.log" 2>&1
 tests=$?
 echo "device tests: exit $tests in $(( $(date +%s) - start )) s ($out/tests.log)"
