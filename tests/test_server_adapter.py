@@ -371,3 +371,75 @@ def test_logprobs_of_processor_vectors_through_a_server(pair, processor_vectors,
         assert main(["conform", "check", str(path), str(out), "--logprobs", "raw"]) == 0
         assert main(["conform", "check", str(path), str(out), "--logprobs", "processed"]) == 1
         assert "processed logprob of token" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bug", [None, "draft-logprobs"])
+def test_logprobs_of_greedy_vectors_through_a_server(pair, vectors, greedy_vectors, bug, tmp_path, capsys):
+    """conform check --logprobs on greedy vectors: each returned logprob against the reference's
+    (the vectors keep every answer token's); a server returning its draft's is flagged, though its
+    tokens are right."""
+    rows, _ = run(pair, vectors, bug=bug, logprobs=2)
+    report = check_outputs(vectors, rows, logprobs="raw")
+    assert report.conformant == (bug is None), report.table()
+    assert not report.warnings
+    if bug:
+        assert report.errors and all("raw logprob" in r["detail"] for r in report.errors)
+        assert check_outputs(vectors, rows).conformant  # the tokens themselves are right
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["conform", "check", str(greedy_vectors), str(out), "--logprobs", "raw"]) == (1 if bug else 0)
+    assert ("raw logprob of token" in capsys.readouterr().out) == bool(bug)
+
+
+def test_a_returned_logprob_off_by_more_than_the_tolerance_is_flagged(pair, vectors):
+    """The logprob judge at its threshold: off by the tolerance passes, by twice it fails; a missing
+    number in the reference run's place is a warning, not a pass (vectors made before version 5)."""
+    rows, _ = run(pair, vectors, logprobs=1)
+    tolerance = logprob_tolerance(vectors.manifest["dtype"], vectors.manifest["tie_ulps_default"])
+    victim = next(r for r in rows if len(r["token_ids"]) > 2)
+    for shift, conformant in ((0.9 * tolerance, True), (2 * tolerance, False)):
+        edited = [dict(r, logprobs=[lp + (shift if r is victim and j == 2 else 0.0) for j, lp in enumerate(
+            dict(pairs)[t] for t, pairs in zip(r["token_ids"], r["top"]))]) for r in rows]
+        for r in edited:
+            r.pop("top")
+        report = check_outputs(vectors, edited, logprobs="processed")
+        assert report.conformant == conformant
+        if not conformant:
+            assert [(r["id"], r["index"]) for r in report.errors] == [(victim["id"], 2)]
+    old = __import__("copy").deepcopy(vectors)
+    for ref in old.reference.values():
+        ref.pop("logprobs")
+    report = check_outputs(old, rows, logprobs="raw")
+    assert report.conformant and report.warnings and "made before they were kept" in report.warnings[0]
+
+
+@pytest.mark.parametrize("bug", [None, "draft-logprobs"])
+def test_logprobs_of_sampled_vectors_through_a_server(sampled_pair, bug):
+    """The sampled checker compares each returned logprob with the target's at that row's own prefix:
+    raw passes for a correct server and flags one returning its draft's; the correct server's raw
+    numbers are not the processed ones wherever temperature or truncation change the distribution."""
+    target, draft = sampled_pair
+    vectors = sampled_vectors(target, seed=4, samples=16).subset(settings=["t0.7", "t1.0-k5"])
+    with StubServer(target, draft, bug=bug) as server:
+        rows = list(run_vectors(ServerEngine(server.url, "openai", logprobs=1), vectors, concurrency=8).values())
+    report = check_samples(vectors, rows, target, batch_size=8, logprobs="raw")
+    assert report.logprobs_checked == sum(len(r["token_ids"]) for r in rows)
+    assert report.conformant == (bug is None), report.lines()
+    assert bool(report.logprob_errors) == bool(bug)
+    if bug:
+        assert report.p_value() == 0 and "raw logprob of token" in report.lines()[0]
+        assert check_samples(vectors, rows, target, batch_size=8).conformant  # the samples themselves are right
+    else:
+        processed = check_samples(vectors, rows, target, batch_size=8, logprobs="processed")
+        assert processed.logprob_errors and not processed.conformant
+        no_numbers = [{k: v for k, v in r.items() if k not in ("top", "logprobs")} for r in rows]
+        assert any("no raw logprob" in e for e in check_samples(vectors, no_numbers, target, batch_size=8,
+                                                               logprobs="raw").errors)
+        numbers = [dict(no_numbers[i], logprobs=[dict(pairs)[t] for t, pairs in zip(r["token_ids"], r["top"])])
+                   for i, r in enumerate(rows)]
+        victim = next(r for r in numbers if len(r["token_ids"]) > 3)
+        for shift, wrong in ((0.9 * report.logprob_tolerance, []), (2 * report.logprob_tolerance, [victim["id"]])):
+            edited = [dict(r, logprobs=[v + (shift if r is victim and j == 3 else 0.0) for j, v in
+                                        enumerate(r["logprobs"])]) for r in numbers]
+            again = check_samples(vectors, edited, target, batch_size=8, logprobs="raw")
+            assert [(e[0], e[1]) for e in again.logprob_errors] == [(i, 3) for i in wrong]

@@ -731,7 +731,7 @@ def _conform_check_sampled(args) -> int:
     from ..conformance.greedy import check_identity
     for line in check_identity(vectors, target):
         print(f"warning: model differs from the vectors' - {line}", file=sys.stderr)
-    report = check_samples(vectors, outputs, target, batch_size=args.batch_size)
+    report = check_samples(vectors, outputs, target, batch_size=args.batch_size, logprobs=args.logprobs)
     print(report.table())
     for line in report.lines():
         print(line)
@@ -755,7 +755,8 @@ def _conform_check_greedy(args) -> int:
     if args.against:
         from ..conformance.greedy import differential_reference
         reference = differential_reference(vectors, read_outputs(args.against)[0])
-    report = check_outputs(vectors, outputs, ulps=args.tie_ulps, reference=reference, tolerance=args.tie_tolerance)
+    report = check_outputs(vectors, outputs, ulps=args.tie_ulps, reference=reference, tolerance=args.tie_tolerance,
+                           logprobs=args.logprobs)
     from ..conformance.greedy import coverage_table
     print(coverage_table(vectors))
     if args.against:
@@ -1030,9 +1031,10 @@ def _add_conform_check(act) -> None:
                    "engine ran with (it names the slot pairs; default the manifest's)")
     c.add_argument("--allow-modified", action="store_true", help="check against vectors whose files differ from "
                    "the manifest's checksums (with a warning) instead of refusing them")
-    c.add_argument("--logprobs", choices=("raw", "processed"), default=None, help="processor vectors: also check "
-                   "the logprob the engine returned for each token (its outputs' logprobs or top, as conform run "
-                   "--logprobs N writes them) against the reference's raw (the target's) or processed ones")
+    c.add_argument("--logprobs", choices=("raw", "processed"), default=None, help="also check the logprob the engine "
+                   "returned for each token (its outputs' logprobs or top, as conform run --logprobs N writes them) "
+                   "against the reference's: raw (the target's log-softmax) or processed (after the processors; "
+                   "sampled vectors: of the distribution the token is drawn from, after temperature and truncation)")
     c.add_argument("--without", default="", help="processor vectors: leave out the requests (sampled: the settings) "
                    "that use these processors (comma-separated), which the engine refuses (vLLM with speculation: "
                    "logit_bias)")

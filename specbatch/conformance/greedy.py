@@ -28,8 +28,9 @@ import numpy as np
 from ..errors import SpecbatchError
 
 MIN_CONTEXT = 64  # the longest request of the fixed classes: a 39-token prompt + 16 new tokens, with room
-VECTORS_VERSION = 4  # 2: SHA-256 of requests.jsonl and reference.jsonl; 3: a pad id distinct from EOS;
+VECTORS_VERSION = 5  # 2: SHA-256 of requests.jsonl and reference.jsonl; 3: a pad id distinct from EOS;
 # 4: the manifest's digest of its own fields that decide verdicts (DECISIVE)
+# 5: each reference answer token's log-probability (`logprobs`: conform check --logprobs)
 DECISIVE = ("format", "version", "model_class", "config_sha256", "weights_sha256", "dtype", "vocab_size",
             "eos_token_ids", "pad_token_id", "num_requests", "classes", "tie_ulps_default", "checksums")
 TOP = 8  # logits kept per answer position
@@ -64,24 +65,40 @@ def reference_outputs(target, prompts, max_new_tokens, eos_token_ids) -> list[li
                                ).sequences[0] for p, m in zip(prompts, max_new_tokens)]
 
 
-def _top_logits(target, prompt, answer, top: int = TOP, log_softmax: bool = False) -> list[list]:
-    """[[token, logit] x top] at every answer position, from one unpadded forward (logprobs with
-    log_softmax)."""
+def _answer_logits(target, prompt, answer):
+    """The logits [len(answer), V] (float64) predicting each answer token, from one unpadded forward."""
     import torch
 
     from ..fast.compute.cache import rect_inputs
     from ..fast.models import ModelRunner, mask_fill_value
-    if not answer:
-        return []
     ids = list(prompt) + list(answer[:-1])
     first = next(target.parameters())
     pos, mask = rect_inputs(torch.zeros(1, dtype=torch.long, device=first.device), 0, len(ids), None, first.dtype,
                             mask_fill_value(first.dtype))
     with torch.inference_mode():
         logits = ModelRunner(target)(torch.tensor([ids], device=first.device), pos, mask, None)[0].double()
-    logits = logits[len(prompt) - 1:]
+    return logits[len(prompt) - 1:]
+
+
+def _top_logits(target, prompt, answer, top: int = TOP, log_softmax: bool = False) -> list[list]:
+    """[[token, logit] x top] at every answer position (logprobs with log_softmax)."""
+    if not answer:
+        return []
+    logits = _answer_logits(target, prompt, answer)
     values, tokens = (logits.log_softmax(-1) if log_softmax else logits).topk(top, dim=-1)
     return [[[int(t), float(v)] for t, v in zip(tr, vr)] for tr, vr in zip(tokens.tolist(), values.tolist())]
+
+
+def _answer_scores(target, prompt, answer) -> tuple[list, list]:
+    """(top: [[token, logit] x TOP] at every answer position; logprobs: each answer token's
+    log-probability), from one forward."""
+    if not answer:
+        return [], []
+    logits = _answer_logits(target, prompt, answer)
+    values, tokens = logits.topk(TOP, dim=-1)
+    top = [[[int(t), float(v)] for t, v in zip(tr, vr)] for tr, vr in zip(tokens.tolist(), values.tolist())]
+    chosen = logits.log_softmax(-1).gather(-1, logits.new_tensor(answer, dtype=tokens.dtype)[:, None])[:, 0]
+    return top, chosen.tolist()
 
 
 def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context: int = 512, progress=None) -> dict:
@@ -121,7 +138,8 @@ def make_vectors(target, out_dir, *, tokenizer=None, seed: int = 0, max_context:
     with open(out / "reference.jsonl", "w", encoding="utf-8") as f:
         for r, a in zip(requests, answers):
             stop = "eos" if a and a[-1] in eos else "length"
-            row = dict(id=r["id"], token_ids=a, stop_reason=stop, top=_top_logits(target, r["token_ids"], a))
+            top, logprobs = _answer_scores(target, r["token_ids"], a)
+            row = dict(id=r["id"], token_ids=a, stop_reason=stop, top=top, logprobs=logprobs)
             if tokenizer is not None:
                 row["text"] = tokenizer.decode(a)
             f.write(json.dumps(row) + "\n")
@@ -459,6 +477,37 @@ def logprob_tolerance(dtype: str, ulps: float) -> float:
     return ulps * _ulp(LOGIT_SCALE, dtype)
 
 
+def returned_logprobs(output: dict) -> list | None:
+    """The log-probability an output gives each of its tokens (None where it gives none)."""
+    if isinstance(output.get("logprobs"), list):
+        return [float(v) if isinstance(v, (int, float)) else None for v in output["logprobs"]]
+    if isinstance(output.get("top"), list):
+        return [dict((int(t), float(v)) for t, v in top).get(int(token)) if isinstance(top, list) else None
+                for token, top in zip(output["token_ids"], output["top"])]
+    return None
+
+
+def judge_logprobs(reference: dict, output: dict, mode: str, tolerance: float, warnings: list) -> dict | None:
+    """An algorithmic verdict at the first token whose returned logprob is off by more than
+    tolerance; None when all agree (positions past the shared tokens, or without a number, are skipped)."""
+    want = reference.get("logprobs")
+    want = want.get(mode) if isinstance(want, dict) else want  # a plain list: no processors, raw = processed
+    got = returned_logprobs(output)
+    if want is None:
+        warnings.append(f"{reference['id']}: the vectors hold no {mode} logprobs (made before they were kept)")
+        return None
+    if got is None:
+        warnings.append(f"{reference['id']}: the output has no logprobs to check")
+        return None
+    for j, (a, b, token, expected) in enumerate(zip(got, want, output["token_ids"], reference["token_ids"])):
+        if token != expected:
+            break
+        if a is not None and abs(a - b) > tolerance:
+            return dict(verdict="algorithmic", index=j, margin=None, detail=f"the {mode} logprob of token {token} "
+                        f"is {a:.6g}, the reference's {b:.6g} (tolerance {tolerance:.3g})")
+    return None
+
+
 def differential_reference(vectors, rows) -> dict:
     """An engine's own reference run (output rows: id, token_ids and, for tie verdicts, top:
     [[token, logprob], ...] per new token) as the reference of `check_outputs`: {id: reference row}.
@@ -486,10 +535,15 @@ def differential_reference(vectors, rows) -> dict:
 
 
 def check_outputs(vectors, outputs, ulps: float | None = None, reference: dict | None = None,
-                  tolerance: float | None = None) -> Report:
+                  tolerance: float | None = None, logprobs: str | None = None) -> Report:
     """Report on an engine's outputs (rows with id and token_ids or text) against the vectors'
     reference, or against `reference` (differential_reference: the engine's own run), with the
-    absolute tie `tolerance` if given (default for a differential reference: logprob_tolerance)."""
+    absolute tie `tolerance` if given (default for a differential reference: logprob_tolerance).
+    logprobs ("raw" or "processed", the same here: these vectors have no processors) also checks the
+    log-probability an output gives each token it shares with the reference (judge_logprobs), within
+    the dtype's logprob tolerance."""
+    if logprobs not in (None, "raw", "processed"):
+        raise VectorError(f"logprobs must be 'raw' or 'processed', got {logprobs!r}")
     vectors = vectors if isinstance(vectors, Vectors) else load_vectors(vectors)
     dtype = vectors.manifest["dtype"]
     check_tolerance(dtype, ulps, tolerance, differential=reference is not None)
@@ -522,7 +576,11 @@ def check_outputs(vectors, outputs, ulps: float | None = None, reference: dict |
             report.requests.append(dict(base, verdict="exact" if same else "algorithmic", index=None,
                                         detail="text differs (text-only output)", margin=None))
         else:
-            report.requests.append(dict(base, **judge(ref, list(row["token_ids"]), dtype, ulps, tolerance)))
+            verdict = judge(ref, list(row["token_ids"]), dtype, ulps, tolerance)
+            if logprobs and verdict["verdict"] != "algorithmic":
+                verdict = judge_logprobs(vectors.reference[ident], row, logprobs, logprob_tolerance(dtype, ulps),
+                                         report.warnings) or verdict
+            report.requests.append(dict(base, **verdict))
     return report
 
 

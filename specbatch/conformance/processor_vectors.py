@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .greedy import ROUND, TOP, Report, VectorError, _default_ulps, judge, model_identity
+from .greedy import ROUND, TOP, Report, VectorError, _default_ulps, judge, judge_logprobs, model_identity
 from ..reference.processors import PROCESSOR_SETTINGS, Processors, process_logits, processed_greedy_decode, stop_text
 
 FORMAT, VERSION = "specbatch-processors", 1
@@ -287,37 +287,7 @@ def check_processor_outputs(vectors: ProcessorVectors, outputs, ulps: float | No
         else:
             verdict = judge(vectors.reference[r["id"]], list(by_id[r["id"]]["token_ids"]), dtype, ulps)
             if logprobs and verdict["verdict"] != "algorithmic":
-                verdict = _judge_logprobs(vectors.reference[r["id"]], by_id[r["id"]], logprobs, tolerance,
+                verdict = judge_logprobs(vectors.reference[r["id"]], by_id[r["id"]], logprobs, tolerance,
                                           report.warnings) or verdict
             report.requests.append(dict(base, **verdict))
     return report
-
-
-def _returned_logprobs(output: dict) -> list | None:
-    """The log-probability an output gives each of its tokens (None where it gives none)."""
-    if isinstance(output.get("logprobs"), list):
-        return [float(v) if isinstance(v, (int, float)) else None for v in output["logprobs"]]
-    if isinstance(output.get("top"), list):
-        return [dict((int(t), float(v)) for t, v in top).get(int(token)) if isinstance(top, list) else None
-                for token, top in zip(output["token_ids"], output["top"])]
-    return None
-
-
-def _judge_logprobs(reference: dict, output: dict, mode: str, tolerance: float, warnings: list) -> dict | None:
-    """An algorithmic verdict at the first token whose returned logprob is off by more than
-    tolerance; None when all agree (positions past the shared tokens, or without a number, are skipped)."""
-    want = (reference.get("logprobs") or {}).get(mode)
-    got = _returned_logprobs(output)
-    if want is None:
-        warnings.append(f"{reference['id']}: the vectors hold no {mode} logprobs (made before they were kept)")
-        return None
-    if got is None:
-        warnings.append(f"{reference['id']}: the output has no logprobs to check")
-        return None
-    for j, (a, b, token, expected) in enumerate(zip(got, want, output["token_ids"], reference["token_ids"])):
-        if token != expected:
-            break
-        if a is not None and abs(a - b) > tolerance:
-            return dict(verdict="algorithmic", index=j, margin=None, detail=f"the {mode} logprob of token {token} "
-                        f"is {a:.6g}, the reference's {b:.6g} (tolerance {tolerance:.3g})")
-    return None

@@ -309,6 +309,7 @@ def _processed(flat, setting: dict, prompts, continuations, eos_ids):
 class Conditionals:
     """The target's conditionals at every token of some sequences (prompt + continuation)."""
     p: list  # per sequence: probability of each continuation token [len]
+    raw: list  # per sequence: the target's raw log-probability of each continuation token (no processor) [len]
     before: list  # per sequence: mass of the tokens ranked ahead of it (descending probability) [len]
     outside: list  # (sequence, position, beyond the slack): tokens of probability 0
     cells: dict  # (sequence, position) -> Cochran cells of the node there, for the positions asked
@@ -376,19 +377,20 @@ def conditionals(target, setting: dict, prompts, continuations, cell_counts: dic
     of that token, the mass ranked ahead of it, and, at the (sequence, position) keys of
     cell_counts, the node's cells for that many samples."""
     import torch
-    out = Conditionals([None] * len(prompts), [None] * len(prompts), [], {})
+    out = Conditionals([None] * len(prompts), [None] * len(prompts), [None] * len(prompts), [], {})
     order = sorted(range(len(prompts)), key=lambda i: tuple(prompts[i]))  # one prompt's sequences together
     sorted_prompts = [prompts[i] for i in order]
     sorted_conts = [continuations[i] for i in order]
     for first, last, flat in _continuation_logits(target, sorted_prompts, sorted_conts):
         if flat is None:
             for k in range(first, last):
-                out.p[order[k]], out.before[order[k]] = np.zeros(0), np.zeros(0)
+                out.p[order[k]], out.before[order[k]], out.raw[order[k]] = np.zeros(0), np.zeros(0), np.zeros(0)
             continue
+        token = torch.tensor([x for k in range(first, last) for x in sorted_conts[k]], device=flat.device)
+        raw = flat.double().log_softmax(-1).gather(-1, token[:, None])[:, 0].cpu().numpy()
         flat = _processed(flat, setting, sorted_prompts[first:last], sorted_conts[first:last], eos_ids)
         min_p = setting.get("min_p") or 0.0
         probs = reference_probs(flat, setting["temperature"], setting["top_k"], setting["top_p"], min_p=min_p)
-        token = torch.tensor([x for k in range(first, last) for x in sorted_conts[k]], device=probs.device)
         p_x = probs.gather(-1, token[:, None])[:, 0]
         index = torch.arange(probs.shape[-1], device=probs.device)[None, :]
         ahead = (probs > p_x[:, None]) | ((probs == p_x[:, None]) & (index < token[:, None]))
@@ -397,7 +399,7 @@ def conditionals(target, setting: dict, prompts, continuations, cell_counts: dic
         n = 0
         for k in range(first, last):
             i, cont = order[k], sorted_conts[k]
-            out.p[i], out.before[i] = p_np[n:n + len(cont)], before[n:n + len(cont)]
+            out.p[i], out.before[i], out.raw[i] = p_np[n:n + len(cont)], before[n:n + len(cont)], raw[n:n + len(cont)]
             for t in range(len(cont)):
                 if p_np[n + t] == 0:
                     wide = reference_probs(flat[n + t:n + t + 1], setting["temperature"], setting["top_k"],
@@ -474,6 +476,10 @@ class SampledReport:
     boundary: int = 0  # tokens within the rounding slack of a boundary (left out of the tests)
     errors: list = field(default_factory=list)  # malformed, missing, extra, duplicated rows
     left_out: list = field(default_factory=list)  # settings the engine cannot express (not run, not judged)
+    logprob_mode: str | None = None  # "raw" or "processed" where returned logprobs were checked
+    logprob_tolerance: float = 0.0
+    logprobs_checked: int = 0  # returned logprobs compared with the reference's
+    logprob_errors: list = field(default_factory=list)  # (row id, position, token, returned, reference)
 
     def p_values(self) -> list[tuple[str, float]]:
         named = [(f"{s['name']} tree", s["p_tree"]) for s in self.settings]
@@ -486,11 +492,12 @@ class SampledReport:
 
     @property
     def conformant(self) -> bool:
-        return not self.errors and not self.violations and all(p >= self.threshold for _, p in self.p_values())
+        return (not self.errors and not self.violations and not self.logprob_errors
+                and all(p >= self.threshold for _, p in self.p_values()))
 
     def p_value(self) -> float:
-        """The Bonferroni-adjusted p-value of the whole check (0 with a support violation)."""
-        if self.violations:
+        """The Bonferroni-adjusted p-value of the whole check (0 with a support violation or a wrong logprob)."""
+        if self.violations or self.logprob_errors:
             return 0.0
         return min(1.0, len(self.p_values()) * min((p for _, p in self.p_values()), default=1.0))
 
@@ -515,6 +522,9 @@ class SampledReport:
             lines.append(f"  {name:<16}{cells}")
         if self.left_out:
             lines.append(f"settings the engine cannot express, left out: {', '.join(self.left_out)}")
+        if self.logprob_mode:
+            lines.append(f"{self.logprob_mode} logprobs: {self.logprobs_checked} checked, "
+                         f"{len(self.logprob_errors)} off by more than {self.logprob_tolerance:.3g}")
         lines.append(f"support violations: {len(self.violations)}; tokens at a rounding boundary (left out): "
                      f"{self.boundary}; threshold per p-value {self.threshold:.2g} (alpha {self.alpha:g} over "
                      f"{len(self.p_values())})")
@@ -525,6 +535,9 @@ class SampledReport:
         out = list(self.errors)
         for row_id, position, token in self.violations[:20]:
             out.append(f"{row_id}: token {token} at position {position} is outside the kept set of its setting")
+        for row_id, position, token, returned, reference in self.logprob_errors[:20]:
+            out.append(f"{row_id}: the {self.logprob_mode} logprob of token {token} at position {position} is "
+                       f"{returned}, the reference's {reference:.6g}")
         out += [f"{name}: p = {p:.3g} < {self.threshold:.2g}" for name, p in self.p_values() if p < self.threshold]
         out += [f"{r['setting']} position {r['position']}: TV gap >= {tv_lower_bound(r):.3f} "
                 f"({r['tokens']} tokens)" for r in self.positions if r["ks"] > r["margin"]]
@@ -622,11 +635,13 @@ def _setting_statistics(target, setting, rows, got, rng) -> dict:
     expected = len(rank) / PIT_BINS
     rank_x2 = float(((hist - expected) ** 2 / expected).sum()) if len(rank) else 0.0
     product = np.where(valid, p, 1.0).prod(axis=1)
+    with np.errstate(divide="ignore"):
+        logprobs = {r["id"]: dict(raw=cond.raw[u], processed=np.log(cond.p[u])) for r, u in zip(rows, sequence_of)}
     return dict(rows=count, tokens=int(kept.sum()), nodes=len(wanted), tree_x2=tree_x2, tree_df=tree_df,
                 p_tree=chi2_sf(tree_x2, tree_df), rank_x2=rank_x2, rank_tokens=int(len(rank)),
                 p_rank=chi2_sf(rank_x2, PIT_BINS - 1) if len(rank) else 1.0,
                 by_position=[pit[:, t][kept[:, t]] for t in range(tokens.shape[1])],
-                seq_prob={r["id"]: float(q) for r, q in zip(rows, product)},
+                seq_prob={r["id"]: float(q) for r, q in zip(rows, product)}, logprobs=logprobs,
                 violations=violations, boundary=boundary)
 
 
@@ -670,12 +685,16 @@ def _tree_chi_square(wanted, cond, at_big, node, node_at, tokens) -> tuple[float
 
 
 def check_samples(vectors, outputs, target, *, batch_size: int | None = None, alpha: float = ALPHA,
-                  seed: int = 0) -> SampledReport:
+                  seed: int = 0, logprobs: str | None = None, tolerance: float | None = None) -> SampledReport:
     """Judge `outputs` (dicts with id and token_ids, one per row) against `target`'s sampling
     distribution. batch_size: what the engine was run with (default: the manifest's); it names the
-    slot pairs. seed: the checker's own randomness (the PIT's tie-breaking uniforms)."""
+    slot pairs. seed: the checker's own randomness (the PIT's tie-breaking uniforms). logprobs:
+    "raw" or "processed" also checks the log-probability each output gives each of its tokens
+    (`check_logprobs`), within `tolerance` (default: the dtype's, conform.logprob_tolerance)."""
     if isinstance(vectors, (str, Path)):
         vectors = load_sampled_vectors(vectors)
+    if logprobs not in (None, "raw", "processed"):
+        raise VectorError(f"logprobs must be 'raw' or 'processed', got {logprobs!r}")
     report = SampledReport(alpha=alpha)
     got = _validated(vectors, outputs, report)
     batch_size = batch_size or vectors.manifest["batch_size"]
@@ -688,6 +707,9 @@ def check_samples(vectors, outputs, target, *, batch_size: int | None = None, al
         report.violations += stats.pop("violations")
         report.boundary += stats.pop("boundary")
         seq_prob.update(stats.pop("seq_prob"))
+        expected = stats.pop("logprobs")
+        if logprobs:
+            check_logprobs(report, outputs, expected, logprobs, tolerance, vectors.manifest["dtype"])
         for t, u in enumerate(stats.pop("by_position")):
             if len(u):
                 report.positions.append(dict(setting=setting["name"], position=t, tokens=len(u), ks=ks_distance(u),
@@ -695,6 +717,28 @@ def check_samples(vectors, outputs, target, *, batch_size: int | None = None, al
         report.settings.append(dict(name=setting["name"], **stats))
     report.independence = _independence(vectors, got, seq_prob, batch_size)
     return report
+
+
+def check_logprobs(report: SampledReport, outputs, expected: dict, mode: str, tolerance: float | None,
+                   dtype: str) -> None:
+    """Each returned log-probability against the reference's at its own prefix: `raw` is the
+    target's log-softmax, `processed` the log-probability of the distribution the token is drawn
+    from (processors, temperature, top-k, top-p, min_p). Tokens outside that distribution (at a
+    rounding boundary) are skipped; a row without logprobs is an error; a number off by more than
+    `tolerance` is reported as (row id, position, token, returned, reference)."""
+    from .greedy import _default_ulps, logprob_tolerance, returned_logprobs
+    tolerance = logprob_tolerance(dtype, _default_ulps(dtype)) if tolerance is None else tolerance
+    report.logprob_tolerance, report.logprob_mode = tolerance, mode
+    by_id = {o.get("id"): o for o in outputs}
+    for ident, want in expected.items():
+        returned = returned_logprobs(by_id[ident])
+        if returned is None or len(returned) < len(want[mode]):
+            report.errors.append(f"{ident}: no {mode} logprob for every token (give 'logprobs', one number per token)")
+            continue
+        for t, (a, b) in enumerate(zip(returned, want[mode])):
+            report.logprobs_checked += bool(np.isfinite(b))
+            if np.isfinite(b) and (a is None or not abs(a - b) <= tolerance):
+                report.logprob_errors.append((ident, t, int(by_id[ident]["token_ids"][t]), a, float(b)))
 
 
 def _independence(vectors, got, seq_prob, batch_size: int) -> list[dict]:

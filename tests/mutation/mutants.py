@@ -497,4 +497,12 @@ MUTANTS = [
     ("reference-tree-draft-keeps-the-leaf", "trees", "reference/trees.py",
      "state.draft_pending[rows] = n - np.minimum(np.minimum(spine, k_round - 1), n)",
      "state.draft_pending[rows] = n - np.minimum(np.minimum(accepted, k_round - 1), n)", ENGINE_TREES),
+    ("sampled-processed-logprobs-are-the-raw-ones", "conformance", "specbatch/conformance/sampled.py",
+     "dict(raw=cond.raw[u], processed=np.log(cond.p[u]))", "dict(raw=cond.raw[u], processed=cond.raw[u])", SERVER),
+    ("sampled-logprob-tolerance-tenfold", "conformance", "specbatch/conformance/sampled.py",
+     "(a is None or not abs(a - b) <= tolerance)", "(a is None or not abs(a - b) <= 10 * tolerance)", SERVER),
+    ("greedy-logprob-tolerance-tenfold", "conformance", "specbatch/conformance/greedy.py",
+     "if a is not None and abs(a - b) > tolerance:", "if a is not None and abs(a - b) > 10 * tolerance:", SERVER),
+    ("greedy-vectors-keep-no-logprobs", "conformance", "specbatch/conformance/greedy.py",
+     "stop_reason=stop, top=top, logprobs=logprobs)", "stop_reason=stop, top=top)", SERVER),
 ]
