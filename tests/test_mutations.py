@@ -183,3 +183,30 @@ def test_every_mutant_of_the_harness_applies_to_the_code_as_it_is():
              if (root / file).read_text().count(old) != 1]
     assert not stale, stale
     assert len({m[0] for m in MUTANTS}) == len(MUTANTS)  # ids are unique
+
+
+@pytest.mark.parametrize("script,verdict", [("import sys; sys.exit(1)", "error"),
+                                            ("print('FAILED tests/test_x.py::test_y - boom'); raise SystemExit(1)",
+                                             "killed"),
+                                            ("pass", "SURVIVED")])
+def test_the_harness_counts_a_kill_only_when_a_test_fails(tmp_path, monkeypatch, script, verdict):
+    """Exit code 1 without a failing test (a Python without pytest, say) is an error, not a kill;
+    the mutated file is restored either way."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests" / "mutation"))
+    try:
+        spec = importlib.util.spec_from_file_location("mutation_run", root / "tests" / "mutation" / "run.py")
+        run = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(run)
+    finally:
+        sys.path.pop(0)
+    target = tmp_path / "code.py"
+    target.write_text("x = 1\n")
+    monkeypatch.setattr(run, "ROOT", tmp_path)
+    monkeypatch.setattr(run, "PYTEST", [sys.executable, "-c", script])
+    result = run.run_one(("m", "area", "code.py", "x = 1", "x = 2", ["tests/test_x.py"]), timeout=60)
+    assert result["verdict"] == verdict
+    assert target.read_text() == "x = 1\n"

@@ -6,7 +6,8 @@ tests under the full profile (pytest --full), restore the file, and report which
     python tests/mutation/run.py --table docs/results/mutation    # mutation.md again from mutation.json
     python tests/mutation/run.py --out docs/results/mutation --merge new-mutant   # run some, keep the other rows
 
-A mutant is killed when its tests fail (pytest exit code 1). Files are restored after every mutant,
+A mutant is killed when one of its tests fails (pytest exit code 1 and a FAILED line; exit code 1 alone,
+as a Python without pytest gives, is an error). Files are restored after every mutant,
 also on Ctrl-C or SIGTERM; the script refuses to start on uncommitted changes to the files it mutates.
 Not part of the test suite (it runs the tests once per mutant).
 """
@@ -43,7 +44,8 @@ def run_one(mutant, timeout: float) -> dict:
         code, failed = -1, []
     finally:
         path.write_text(original)
-    verdict = {0: "SURVIVED", 1: "killed"}.get(code, "error" if code != -1 else "timeout")
+    # killed only by a named failing test: exit code 1 alone is also what a Python without pytest gives
+    verdict = {0: "SURVIVED", 1: "killed" if failed else "error"}.get(code, "error" if code != -1 else "timeout")
     return dict(id=ident, area=area, file=file, verdict=verdict, seconds=round(time.time() - start, 1),
                 killed_by=failed[:1])
 
