@@ -128,7 +128,8 @@ def test_correct_samplers_pass_and_the_report_names_each_part():
         assert [s["name"] for s in report.settings] == [s["name"] for s in SETTINGS]
         assert sum(s["tokens"] for s in report.settings) == sum(len(o["token_ids"]) for o in outputs)
         assert {d["kind"] for d in report.independence} == {"twin", "slot"}
-        assert len(report.p_values()) == 2 * len(SETTINGS) + 2 and report.threshold == ALPHA / 14
+        assert len(report.p_values()) == 2 * len(SETTINGS) + 3 and report.threshold == ALPHA / 15
+        assert report.tail["tokens"] == sum(s["tokens"] for s in report.settings) and report.tail["p"] > ALPHA / 15
         # the TV column is the lower bound (KS statistic less its DKW margin): 0 here, not the statistic
         tv = report.table().split("TV gap by position")[1].split("support violations")[0]
         assert all(tv_lower_bound(r) == 0 < r["ks"] for r in report.positions)
@@ -340,3 +341,29 @@ def test_the_textbook_sampler_over_token_trees_passes_and_its_tree_bugs_are_flag
         assert min(p for name, p in broken.p_values() if "tree" in name) < broken.threshold, broken.table()
     with pytest.raises(ValueError, match="needs tree_branches >= 2"):
         sampling_engine(target, draft, bug="tree-ranked-leaves")
+
+
+def test_the_binomial_tail_is_exact():
+    from specbatch.conformance.sampled import binomial_sf
+    for n, p in ((50, 0.01), (7, 0.5), (300, 0.001)):
+        for k in (0, 1, 2, 3, n // 2, n, n + 1):
+            want = sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+            assert binomial_sf(k, n, p) == pytest.approx(want, rel=1e-9, abs=1e-300)
+
+
+def test_the_tail_test_catches_a_few_tokens_the_target_almost_never_draws():
+    """Penalties at draft positions that miss the round's earlier drafts put a few repeated tokens
+    where the target gives them almost nothing. In this run the tree test dilutes them into its rest
+    cells and the rank test into its last bin; the tail test (randomised PIT beyond 1 - TAIL_MASS,
+    pooled, exact binomial) rejects. A correct engine's tail count is as the binomial says."""
+    from specbatch.conformance.sampled import TAIL_MASS
+    target, draft = TOY
+    broken = sampled_power(sampling_engine(target, draft, "penalties-drafts-ignored"), target, runs=1, seed=1003,
+                           processors=True)[0]
+    assert not broken.conformant
+    assert [name for name, p in broken.p_values() if p < broken.threshold] == ["tail"]
+    assert broken.tail["observed"] > 3 * broken.tail["expected"]
+    exact = sampled_power(sampling_engine(target, draft), target, runs=1, seed=1003, processors=True)[0]
+    assert exact.conformant and exact.tail["p"] > 0.01
+    assert exact.tail["expected"] == pytest.approx(exact.tail["tokens"] * TAIL_MASS)
+    assert "tail:" in exact.table()

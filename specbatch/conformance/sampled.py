@@ -22,6 +22,10 @@ Its parts, each with an exact or asymptotically exact null (proofs_notes/sampled
                 of expected count >= 5), summed over the nodes of a setting;
   rank          every other token's randomized PIT (tokens ordered by descending probability) is
                 uniform given its prefix: chi-square over PIT_BINS equal bins, per setting;
+  tail          every token's randomized PIT (big nodes too) lies in its least likely TAIL_MASS with
+                probability TAIL_MASS, independently: the exact binomial tail of how many do, pooled
+                over the settings (sensitive to a few tokens the target almost never draws, which
+                the tree test's rest cell and the rank test's bins dilute);
   independence  twins (one batch) and slot pairs (one slot, consecutive batches) are independent
                 draws: the exact Poisson-binomial tail of the number of identical continuations.
 
@@ -50,6 +54,7 @@ NODE_MIN = 25  # samples sharing a prefix before their next tokens are tested as
 CELL_MIN = 5.0  # Cochran's rule: expected count of every chi-square cell
 PIT_BINS = 10
 SLACK = 1e-3  # rounding slack at the top-k and top-p boundaries (relative logit, and mass)
+TAIL_MASS = 1e-3  # the tail test counts tokens whose randomized PIT exceeds 1 - TAIL_MASS
 PROCESSOR_KEYS = tuple(k for k in PROCESSOR_SETTINGS if k != "stop")  # stop strings: the greedy processor vectors
 SETTINGS = (  # temperature below and above 1, top-k, top-p and their combinations
     dict(name="t0.7", temperature=0.7, top_k=None, top_p=None),
@@ -444,6 +449,21 @@ def poisson_binomial_sf(probs, observed: int) -> float:
     return float(min(1.0, pmf[observed:].sum()))
 
 
+def binomial_sf(observed: int, n: int, p: float) -> float:
+    """P(Binomial(n, p) >= observed), exactly (log-space terms; the upper tail summed directly)."""
+    if observed <= 0:
+        return 1.0
+    if observed > n:
+        return 0.0
+
+    def log_pmf(i: int) -> float:
+        return (math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p)
+                + (n - i) * math.log1p(-p))
+    if observed <= n * p:  # at or below the mean: one less the lower tail
+        return max(0.0, 1.0 - sum(math.exp(log_pmf(i)) for i in range(observed)))
+    return min(1.0, sum(math.exp(log_pmf(i)) for i in range(observed, n + 1)))
+
+
 def ks_distance(u) -> float:
     """sup_c |F_n(c) - c| of the values u against the uniform distribution."""
     u = np.sort(np.asarray(u, dtype=float))
@@ -471,6 +491,7 @@ class SampledReport:
     alpha: float
     settings: list = field(default_factory=list)  # per setting: name, rows, tokens, nodes, tree/rank X2, df, p
     independence: list = field(default_factory=list)  # twin and slot: pairs, identical, expected, p
+    tail: dict = field(default_factory=lambda: dict(tokens=0, observed=0, expected=0.0, p=1.0))  # pooled
     positions: list = field(default_factory=list)  # per (setting, position): tokens, ks, margin
     violations: list = field(default_factory=list)  # (row id, position, token): outside the kept set
     boundary: int = 0  # tokens within the rounding slack of a boundary (left out of the tests)
@@ -484,6 +505,7 @@ class SampledReport:
     def p_values(self) -> list[tuple[str, float]]:
         named = [(f"{s['name']} tree", s["p_tree"]) for s in self.settings]
         named += [(f"{s['name']} rank", s["p_rank"]) for s in self.settings]
+        named += [("tail", self.tail["p"])] if self.tail["tokens"] else []
         return named + [(f"independence {d['kind']}", d["p"]) for d in self.independence]
 
     @property
@@ -508,6 +530,9 @@ class SampledReport:
             lines.append(f"{s['name']:<16}{s['rows']:>6}{s['tokens']:>8}{s['nodes']:>7}"
                          f"{s['tree_x2']:>8.1f}/{s['tree_df']:<4}{s['p_tree']:>10.2g}{s['rank_x2']:>9.1f}"
                          f"{s['p_rank']:>10.2g}")
+        if self.tail["tokens"]:
+            lines.append(f"tail: {self.tail['observed']} of {self.tail['tokens']} tokens in the target's least likely "
+                         f"{TAIL_MASS:g} (expected {self.tail['expected']:.1f}), p = {self.tail['p']:.2g}")
         for d in self.independence:
             lines.append(f"independence {d['kind']}: {d['identical']} identical of {d['pairs']} pairs "
                          f"(expected {d['expected']:.2f}), p = {d['p']:.2g}")
@@ -634,12 +659,13 @@ def _setting_statistics(target, setting, rows, got, rng) -> dict:
     hist = np.bincount(np.minimum((rank * PIT_BINS).astype(int), PIT_BINS - 1), minlength=PIT_BINS)
     expected = len(rank) / PIT_BINS
     rank_x2 = float(((hist - expected) ** 2 / expected).sum()) if len(rank) else 0.0
+    tail = int((pit[kept] > 1 - TAIL_MASS).sum())
     product = np.where(valid, p, 1.0).prod(axis=1)
     with np.errstate(divide="ignore"):
         logprobs = {r["id"]: dict(raw=cond.raw[u], processed=np.log(cond.p[u])) for r, u in zip(rows, sequence_of)}
     return dict(rows=count, tokens=int(kept.sum()), nodes=len(wanted), tree_x2=tree_x2, tree_df=tree_df,
                 p_tree=chi2_sf(tree_x2, tree_df), rank_x2=rank_x2, rank_tokens=int(len(rank)),
-                p_rank=chi2_sf(rank_x2, PIT_BINS - 1) if len(rank) else 1.0,
+                p_rank=chi2_sf(rank_x2, PIT_BINS - 1) if len(rank) else 1.0, tail=tail,
                 by_position=[pit[:, t][kept[:, t]] for t in range(tokens.shape[1])],
                 seq_prob={r["id"]: float(q) for r, q in zip(rows, product)}, logprobs=logprobs,
                 violations=violations, boundary=boundary)
@@ -715,6 +741,9 @@ def check_samples(vectors, outputs, target, *, batch_size: int | None = None, al
                 report.positions.append(dict(setting=setting["name"], position=t, tokens=len(u), ks=ks_distance(u),
                                              margin=dkw_margin(len(u), alpha / position_cells)))
         report.settings.append(dict(name=setting["name"], **stats))
+    tokens, observed = sum(s["tokens"] for s in report.settings), sum(s["tail"] for s in report.settings)
+    report.tail = dict(tokens=tokens, observed=observed, expected=tokens * TAIL_MASS,
+                       p=binomial_sf(observed, tokens, TAIL_MASS))
     report.independence = _independence(vectors, got, seq_prob, batch_size)
     return report
 
