@@ -444,6 +444,18 @@ def test_an_edited_sampled_manifest_is_refused(tmp_path):
     assert warned and "--allow-modified" in warned[0]
 
 
+def test_sampled_processor_vectors_load_as_they_were_made(tmp_path):
+    """A logit bias's token ids are integer keys when the digest is made and strings on disk: ids
+    whose numeric and text orders differ (9 < 10, "10" < "9") must give the same digest."""
+    from specbatch.conformance.sampled import load_sampled_vectors, make_sampled_vectors
+    from specbatch.conformance.testing import toy_sampling_pair
+    bias = dict(name="t1.0-bias", temperature=1.0, top_k=None, top_p=None, logit_bias={9: 1.5, 10: -2.0})
+    manifest = make_sampled_vectors(toy_sampling_pair()[0], tmp_path / "s", samples=4, settings=[bias])
+    loaded = load_sampled_vectors(tmp_path / "s")
+    assert loaded.manifest["manifest_sha256"] == manifest["manifest_sha256"]
+    assert loaded.settings()[0]["logit_bias"] == {"9": 1.5, "10": -2.0}
+
+
 def test_a_converted_model_changed_in_place_is_never_decoded(tmp_path, monkeypatch):
     """The converted SmolLM2 cache carries the SHA-256 of its files from the conversion: weights
     altered in place (still loadable) are refused in one line naming the folder."""

@@ -263,9 +263,9 @@ def test_check_sampling_raises_with_the_table():
 def test_p_values_are_uniform_under_the_null():
     """200 runs of exact target-only sampling at the default size, on three of the six settings
     (temperature below and above 1, top-k, top-p, and top-k with top-p; half the cost of all six):
-    the chi-square parts' p-values pass a KS test for uniformity, the exact independence p-values
-    are never below their level more often than allowed, and the whole check raises at most one
-    false alarm."""
+    the chi-square parts' p-values pass a KS test for uniformity, the exact independence and tail
+    p-values are never below their level more often than allowed, and the whole check raises at
+    most one false alarm."""
     target, _ = TOY
     chosen = [s for s in SETTINGS if s["name"] in ("t1.0-k5", "t1.3-p0.7", "t0.7-k10-p0.8")]
     reports = sampled_power(sampling_engine(target, None), target, runs=200, seed=1000, settings=chosen)
@@ -273,10 +273,12 @@ def test_p_values_are_uniform_under_the_null():
         values = [p for r in reports for name, p in r.p_values() if name.endswith(part)]
         assert len(values) == 200 * len(chosen)
         assert kolmogorov_p(values) > 0.001, part
-    for kind in ("twin", "slot"):
-        values = np.array([d["p"] for r in reports for d in r.independence if d["kind"] == kind])
+    exact = {kind: [d["p"] for r in reports for d in r.independence if d["kind"] == kind] for kind in ("twin", "slot")}
+    exact["tail"] = [r.tail["p"] for r in reports]
+    for kind, values in exact.items():  # discrete: P(p <= level) <= level
+        values = np.array(values)
         for level in (0.05, 0.2, 0.5):
-            assert (values <= level).mean() <= level + 3 * math.sqrt(level / len(values))
+            assert (values <= level).mean() <= level + 3 * math.sqrt(level / len(values)), kind
     assert sum(not r.conformant for r in reports) <= 1
 
 

@@ -264,8 +264,11 @@ def file_digest(path: Path) -> str:
 
 
 def manifest_digest(manifest: dict, fields) -> str:
-    """SHA-256 of the manifest's `fields` (those that decide verdicts), as canonical JSON."""
-    return hashlib.sha256(json.dumps({k: manifest.get(k) for k in fields}, sort_keys=True).encode()).hexdigest()
+    """SHA-256 of the manifest's `fields` (those that decide verdicts), as canonical JSON: read back
+    from JSON first, so that integer keys (a logit bias's token ids) sort as the strings they are
+    on disk, not as numbers."""
+    fields_as_stored = json.loads(json.dumps({k: manifest.get(k) for k in fields}))
+    return hashlib.sha256(json.dumps(fields_as_stored, sort_keys=True).encode()).hexdigest()
 
 
 def check_manifest_digest(manifest: dict, fields, where: str, allow_modified: bool, warn) -> None:

@@ -505,4 +505,9 @@ MUTANTS = [
      "if a is not None and abs(a - b) > tolerance:", "if a is not None and abs(a - b) > 10 * tolerance:", SERVER),
     ("greedy-vectors-keep-no-logprobs", "conformance", "specbatch/conformance/greedy.py",
      "stop_reason=stop, top=top, logprobs=logprobs)", "stop_reason=stop, top=top)", SERVER),
+    ("manifest-digest-sorts-int-keys-as-numbers", "conformance", "specbatch/conformance/greedy.py",
+     "fields_as_stored = json.loads(json.dumps({k: manifest.get(k) for k in fields}))",
+     "fields_as_stored = {k: manifest.get(k) for k in fields}", HOSTILE),
+    ("sampled-tail-test-counts-the-head", "conformance", "specbatch/conformance/sampled.py",
+     "tail = int((pit[kept] > 1 - TAIL_MASS).sum())", "tail = int((pit[kept] < TAIL_MASS).sum())", SAMPLED),
 ]
