@@ -10,8 +10,8 @@ Processor vectors (benchmarks/conform_processors.py writes OUT/vectors.json): --
 every request at once in file order with its repetition, presence and frequency penalties, logit
 bias and min_tokens; judged by `python benchmarks/conform_processors.py --out OUT --check OUTPUTS --name NAME`.
 
-Sampled vectors (`conform make --sampled`): each setting's rows are submitted at once, in file order,
-each with its own temperature, top-k, top-p and seed (`specbatch conform check vectors/ vllm_outputs.jsonl
+Sampled vectors (`conform make --sampled`, with `--processors` too): each setting's rows are submitted
+at once, in file order, each with its own temperature, top-k, top-p, processors and seed (`specbatch conform check vectors/ vllm_outputs.jsonl
 --target MODEL` judges the distribution). Greedy vectors:
 all requests are submitted at once in the chosen order (the manifest's suggested orders);
 --max-num-seqs bounds how many vLLM batches together, so small values make it admit new requests
@@ -44,6 +44,8 @@ def main():
                     "(comma-separated), which vLLM refuses in this mode (speculation: logit_bias)")
     ap.add_argument("--samples", type=int, help="sampled vectors: only the first N samples of each request")
     ap.add_argument("--settings", help="sampled vectors: only these settings (comma-separated names)")
+    ap.add_argument("--logprobs", type=int, default=0, help="ask for N logprobs per token and write each chosen "
+                    "token's as `logprobs` (conform check --logprobs raw judges them; vLLM's are raw by default)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
@@ -88,6 +90,13 @@ def main():
         extra = dict(top_k=r["top_k"]) if r["top_k"] else {}
         if not a.no_request_seeds:
             extra["seed"] = r["seed"]
+        for key in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "min_tokens"):
+            if r.get(key) is not None:  # sampled processor vectors (conform make --sampled --processors)
+                extra[key] = r[key]
+        if r.get("logit_bias"):
+            extra["logit_bias"] = {int(t): float(v) for t, v in r["logit_bias"].items()}
+        if a.logprobs:
+            extra["logprobs"] = a.logprobs
         return SamplingParams(temperature=r["temperature"], top_p=r["top_p"] or 1.0,
                               max_tokens=r["max_new_tokens"], stop_token_ids=eos, **extra)
     groups = [[r for r in chosen if r["setting"] == s["name"]] for s in manifest["settings"]] if sampled else [chosen]
@@ -103,7 +112,10 @@ def main():
             tokens = list(o.outputs[0].token_ids)
             if o.outputs[0].finish_reason == "stop" and (not tokens or tokens[-1] not in eos) and o.outputs[0].stop_reason in eos:
                 tokens.append(o.outputs[0].stop_reason)  # the EOS that stopped it, kept as the oracle keeps it
-            f.write(json.dumps(dict(id=r["id"], token_ids=tokens)) + "\n")
+            row = dict(id=r["id"], token_ids=tokens)
+            if a.logprobs and o.outputs[0].logprobs is not None:  # the chosen token's, at each position vLLM returned
+                row["logprobs"] = [step[t].logprob for t, step in zip(tokens, o.outputs[0].logprobs)]
+            f.write(json.dumps(row) + "\n")
     mode = "ngram" if a.ngram else ("draft" if a.draft else "target-only")
     print(f"vllm {mode}, max_num_seqs {a.max_num_seqs}, {'file' if sampled else a.order} order: {len(chosen)} "
           f"requests in {seconds:.1f} s")

@@ -9,7 +9,8 @@ bug; the processor bugs (PROCESSOR_BUGS) and their own null runs on the processo
 (sampled_vectors(processors=True)). draft-bf16-logits is also run on a pair whose logits sit near 100 (bfloat16's step there is
 0.5), to show how its power grows with the rounding it causes. The textbook sampler over token
 trees (tree_branches 3: multi-candidate rejection, proofs_notes/trees.md) runs as a null and with
-each of TREE_BUGS. Each run draws its own vectors
+each of TREE_BUGS. Speculative sampling returning raw logprobs (the target's, the null, or the draft's,
+LOGPROB_BUGS) is judged with the logprob check too. Each run draws its own vectors
 (prompts and row seeds); the checker is specbatch.conformance.sampled.check_samples at alpha 0.001.
 Writes power.json (every run's p-value and verdict, and the machine) and power.md (the table).
 """
@@ -26,6 +27,8 @@ from specbatch.conformance.sampling_engines import BUGS, PROCESSOR_BUGS, TREE_BU
 from specbatch.conformance.testing import sampled_power, toy_sampling_pair
 
 TREE_BRANCHES = 3  # the tree engines' candidates per drafted position
+LOGPROB_BUGS = {"draft-logprobs": "the logprobs returned are the draft's, not the target's (llama.cpp issue 27972, "
+                                  "vLLM issue 29216); judged with check_samples(..., logprobs=\"raw\")"}
 
 
 def main():
@@ -50,6 +53,9 @@ def main():
     # token trees (3 candidates per position): the correct multi-candidate rejection, then its bugs
     cases.append(("speculative over token trees (null)", target, draft, None, a.runs, False, TREE_BRANCHES))
     cases += [(bug, target, draft, bug, a.runs, False, TREE_BRANCHES) for bug in TREE_BUGS]
+    # logprobs (check_samples(..., logprobs="raw")): the engine returns its target's, or its draft's
+    scorer = {"speculative returning its target's logprobs (null)": target, "draft-logprobs": draft}
+    cases += [(name, target, draft, None, a.runs, False) for name in scorer]
     if a.only:
         cases = [c for c in cases if c[0] in a.only.split(",")]
     machine = describe_machine()
@@ -66,10 +72,11 @@ def main():
     for name, t, d, bug, runs, processors, *branches in cases:
         start = time.time()
         engine = sampling_engine(t, d, bug=bug, tree_branches=branches[0] if branches else 1)
-        reports = sampled_power(engine, t, runs=runs, seed=10_000, processors=processors)
+        reports = sampled_power(engine, t, runs=runs, seed=10_000, processors=processors,
+                                logprobs_from=scorer.get(name))
         p = [r.p_value() for r in reports]
         rejected = sum(not r.conformant for r in reports)
-        row = dict(engine=name, bug=bug, runs=runs, rejected=rejected, p_values=p, processors=processors,
+        row = dict(engine=name, bug=bug or (name if name in LOGPROB_BUGS else None), runs=runs, rejected=rejected, p_values=p, processors=processors,
                    tree_branches=branches[0] if branches else 1, violations=sum(bool(r.violations) for r in reports),
                    tail_test=True, seconds=round(time.time() - start, 1))
         earlier = [i for i, r in enumerate(results) if r["engine"] == name]
@@ -96,9 +103,11 @@ def write(out: Path, command: str, machine: dict, results: list) -> None:
     for r in results:
         p = sorted(r["p_values"])
         vectors = "processors" if r.get("processors") else "default"
-        what = {**BUGS, **TREE_BUGS}.get(r["bug"], "nothing (exact)")
+        what = {**BUGS, **TREE_BUGS, **LOGPROB_BUGS}.get(r["bug"], "nothing (exact)")
         if r.get("tree_branches", 1) > 1:
             vectors += f", trees of {r['tree_branches']} candidates per position"
+        if "logprobs" in r["engine"]:
+            vectors += ", raw logprobs checked"
         lines.append(f"| {r['engine']}{'' if r.get('tail_test') else ' †'} | {what} | {vectors} | {r['runs']} | "
                      f"{r['rejected']} | "
                      f"{p[len(p) // 2]:.2g} | {p[-1]:.2g} |")

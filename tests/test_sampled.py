@@ -369,3 +369,15 @@ def test_the_tail_test_catches_a_few_tokens_the_target_almost_never_draws():
     assert exact.conformant and exact.tail["p"] > 0.01
     assert exact.tail["expected"] == pytest.approx(exact.tail["tokens"] * TAIL_MASS)
     assert "tail:" in exact.table()
+
+
+def test_an_engine_returning_its_drafts_logprobs_is_rejected_whatever_its_samples():
+    """sampled_power(logprobs_from=model): the engine's rows carry that model's raw logprobs and the
+    checker judges them; the target's pass, the draft's are wrong at every token (its samples are right)."""
+    target, draft = TOY
+    engine = sampling_engine(target, draft)
+    right, = sampled_power(engine, target, runs=1, seed=7, samples=16, logprobs_from=target)
+    wrong, = sampled_power(engine, target, runs=1, seed=7, samples=16, logprobs_from=draft)
+    assert right.conformant and not right.logprob_errors and right.logprobs_checked > 0
+    assert not wrong.conformant and wrong.p_value() == 0
+    assert len(wrong.logprob_errors) == wrong.logprobs_checked == right.logprobs_checked

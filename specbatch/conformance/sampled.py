@@ -376,6 +376,24 @@ def _continuation_logits(target, prompts, continuations):
         start = stop
 
 
+def token_logprobs(model, prompts, continuations) -> list:
+    """Each continuation token's raw log-probability under `model` (its log-softmax, no processor),
+    one float64 array per sequence: what an engine returns as raw logprobs."""
+    import torch
+    order = sorted(range(len(prompts)), key=lambda i: tuple(prompts[i]))  # one prompt's sequences together
+    out = [np.zeros(0)] * len(prompts)
+    for first, last, flat in _continuation_logits(model, [prompts[i] for i in order], [continuations[i] for i in order]):
+        if flat is None:
+            continue
+        conts = [list(continuations[order[k]]) for k in range(first, last)]
+        token = torch.tensor([x for c in conts for x in c], device=flat.device)
+        values = flat.double().log_softmax(-1).gather(-1, token[:, None])[:, 0].cpu().numpy()
+        n = 0
+        for k, c in zip(range(first, last), conts):
+            out[order[k]], n = values[n:n + len(c)], n + len(c)
+    return out
+
+
 def conditionals(target, setting: dict, prompts, continuations, cell_counts: dict, eos_ids=()) -> Conditionals:
     """The processed distribution at each continuation token of each sequence (prompt +
     continuation; processors see that prefix, min_tokens masks eos_ids), from which the probability

@@ -419,15 +419,18 @@ def expressible(vectors, sample_fn):
     return vectors.subset(settings=[s["name"] for s in vectors.settings() if s["name"] not in left_out]), left_out
 
 
-def sampled_power(sample_fn, target, runs: int = 100, seed: int = 0, group: int = 1, **vector_options) -> list:
+def sampled_power(sample_fn, target, runs: int = 100, seed: int = 0, group: int = 1, logprobs_from=None,
+                  **vector_options) -> list:
     """The sampled checker's reports on `runs` independent runs of an engine: run j draws its
     prompts and row seeds from seed + j (specbatch.conformance.sampled.sampled_vectors, vector_options as
     there); the rows of `group` runs for one setting go to the engine in one call (each run's rows
     fill whole batches, so slots and batches are as in a run of its own; a group helps engines whose
-    cost is mostly per call)."""
+    cost is mostly per call). logprobs_from: a model whose raw log-probabilities the engine returns
+    with its tokens (the target for a correct engine, the draft for the class of llama.cpp issue
+    27972), and the checker judges them (check_samples(..., logprobs="raw"))."""
     import functools
 
-    from .sampled import check_samples, processor_kwargs, sampled_vectors
+    from .sampled import check_samples, processor_kwargs, sampled_vectors, token_logprobs
     reports = []
     for first in range(0, runs, group):
         sets = [sampled_vectors(target, seed=seed + first + j, **vector_options)
@@ -442,7 +445,14 @@ def sampled_power(sample_fn, target, runs: int = 100, seed: int = 0, group: int 
                                    sets[0].manifest["eos_token_ids"], sets[0].manifest["batch_size"], None))
             for j, part in enumerate(rows):
                 outputs[j] += [dict(id=r["id"], token_ids=[int(t) for t in next(got)]) for r in part]
-        reports += [check_samples(v, out, target) for v, out in zip(sets, outputs)]
+        if logprobs_from is not None:
+            for v, out in zip(sets, outputs):
+                prompts = {r["id"]: r["token_ids"] for r in v.rows}
+                numbers = token_logprobs(logprobs_from, [prompts[o["id"]] for o in out], [o["token_ids"] for o in out])
+                for o, values in zip(out, numbers):
+                    o["logprobs"] = values.tolist()
+        reports += [check_samples(v, out, target, logprobs="raw" if logprobs_from is not None else None)
+                    for v, out in zip(sets, outputs)]
     return reports
 
 
