@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--settings-for", action="append", default=[], help="ENGINE=A,B: judge only these settings "
                     "(an engine that failed on the others)")
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--logprobs", choices=("raw", "processed"), help="also judge the logprobs of every engine whose "
+                    "outputs carry them (check_samples(..., logprobs=))")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = Path(a.out)
@@ -64,12 +66,14 @@ def main():
 
     def judge(name, these, outputs, engine_seconds, batch_size):
         start = time.perf_counter()
-        report = check_samples(these, outputs, target, batch_size=batch_size)
+        numbers = a.logprobs if any("logprobs" in o or "top" in o for o in outputs) else None
+        report = check_samples(these, outputs, target, batch_size=batch_size, logprobs=numbers)
         seconds = time.perf_counter() - start
         results.append(dict(engine=name, rows=len(these.rows), samples=these.manifest["samples"],
                             engine_seconds=engine_seconds, check_seconds=round(seconds, 1),
                             p_value=report.p_value(), conformant=report.conformant, violations=len(report.violations),
-                            boundary=report.boundary, table=report.table(), lines=report.lines()[:10]))
+                            boundary=report.boundary, logprobs=numbers, logprobs_checked=report.logprobs_checked,
+                            logprob_errors=len(report.logprob_errors), table=report.table(), lines=report.lines()[:10]))
         print(f"{name}: {'CONFORMANT' if report.conformant else 'NOT CONFORMANT'} p = {report.p_value():.3g}, "
               f"engine {engine_seconds} s, checker {seconds:.1f} s", flush=True)
         print(report.table(), flush=True)
@@ -93,11 +97,12 @@ def write(out: Path, command: str, target: str, draft: str, results: list) -> No
                                                        draft=draft, results=results), indent=1) + "\n")
     lines = ["# Sampled checker: verdicts on real engines", "", f"Command: `{command}`",
              f"Machine: {machine['summary']}", "",
-             "| engine | rows (samples per request) | engine s | checker s | p-value | verdict |",
-             "|---|---:|---:|---:|---:|---|"]
+             "| engine | rows (samples per request) | engine s | checker s | p-value | logprobs checked (wrong) | verdict |",
+             "|---|---:|---:|---:|---:|---|---|"]
     for r in results:
+        numbers = f"{r['logprobs_checked']} {r['logprobs']} ({r['logprob_errors']})" if r.get("logprobs") else "none returned"
         lines.append(f"| {r['engine']} | {r['rows']} ({r['samples']}) | {r['engine_seconds'] or 'elsewhere'} | "
-                     f"{r['check_seconds']} | {r['p_value']:.2g} | {'pass' if r['conformant'] else 'REJECTED'} |")
+                     f"{r['check_seconds']} | {r['p_value']:.2g} | {numbers} | {'pass' if r['conformant'] else 'REJECTED'} |")
     (out / "verdicts.md").write_text("\n".join(lines) + "\n")
 
 
