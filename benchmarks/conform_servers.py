@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--no-seeds", action="store_true")
     ap.add_argument("--samples", type=int, help="sampled: only the first N samples of each request")
     ap.add_argument("--settings", help="sampled: only these settings (comma-separated names)")
+    ap.add_argument("--check-logprobs", choices=("raw", "processed"), help="sampled: also judge the logprob the "
+                    "server returned for each sampled token (ask for them with --logprobs 1 or more)")
     ap.add_argument("--target", default="smollm2", help="sampled: the model whose distribution is the reference")
     ap.add_argument("--max-seconds", type=float, default=3600.0, help="the server is stopped after this long")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the server command, with {port}")
@@ -149,10 +151,11 @@ def sampled_part(engine, a, out, stop_server) -> dict:
     stop_server()
     target, _, _ = specbatch.load(a.target, dtype=vectors.manifest["dtype"])
     start = time.perf_counter()
-    report = check_samples(vectors, list(rows.values()), target, batch_size=a.concurrency)
+    report = check_samples(vectors, list(rows.values()), target, batch_size=a.concurrency, logprobs=a.check_logprobs)
     return dict(rows=len(rows), samples=vectors.manifest["samples"], settings=[s["name"] for s in vectors.settings()],
                 wall_s=round(wall, 1), check_s=round(time.perf_counter() - start, 1), conformant=report.conformant,
                 p=report.p_value(), violations=len(report.violations), table=report.table(),
+                logprobs_checked=report.logprobs_checked, logprob_errors=len(report.logprob_errors),
                 lines=report.lines()[:20])
 
 

@@ -205,13 +205,21 @@ class LlamaCppProtocol(Protocol):
             tokens = tokens[:cut + 1]
         top = None
         if asked.get("n_probs"):
-            top = [sorted(([int(c["id"]), float(c["logprob"])] for c in p.get("top_logprobs", [])), key=lambda q: -q[1])
-                   for p in reply.get("completion_probabilities") or []][:len(tokens)]
+            top = [_llama_cpp_top(p) for p in reply.get("completion_probabilities") or []][:len(tokens)]
         finish = "eos" if cut is not None or reply.get("stop_type") == "eos" else str(reply.get("stop_type"))
         return Answer(tokens, finish, top)
 
 
 PROTOCOLS = {p.name: p for p in (OpenAIProtocol(), LlamaCppProtocol())}
+
+
+def _llama_cpp_top(position: dict) -> list:
+    """One position of llama.cpp's completion_probabilities as [[id, logprob], ...], most likely
+    first, with the chosen token's own logprob added where a sampled token is not among the top n."""
+    pairs = {int(c["id"]): float(c["logprob"]) for c in position.get("top_logprobs", [])}
+    if _is_int(position.get("id")) and isinstance(position.get("logprob"), (int, float)):
+        pairs.setdefault(int(position["id"]), float(position["logprob"]))
+    return sorted(([t, v] for t, v in pairs.items()), key=lambda q: -q[1])
 
 
 def _same(a, b) -> bool:
