@@ -212,8 +212,8 @@ def llama_reply(server: StubServer, body: dict) -> dict:
     reply = dict(content=" ".join(map(str, tokens)), tokens=[] if server.bug == "text-only" else tokens,
                  stop_type="limit", generation_settings=settings, tokens_evaluated=_prompt_count(server, request))
     if body.get("n_probs"):
-        top = server.top_logprobs(request["prompt"], tokens, int(body["n_probs"]))
         count = int(body["n_probs"])  # as llama-server: the top n, and the chosen token's own logprob beside them
+        top = server.top_logprobs(request["prompt"], tokens, count)
         reply["completion_probabilities"] = [
             dict(id=t, logprob=dict(p)[t], top_logprobs=[dict(id=a, logprob=b) for a, b in p[:count]])
             for t, p in zip(tokens, top)]
