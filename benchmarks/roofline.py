@@ -63,7 +63,10 @@ def prepacked_step(weights, rows: int, repeats: int = 7) -> float | None:
     from specbatch.fast.compute.kernels import available
     if not available():
         return None
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    except RuntimeError:  # oneDNN does not take this dtype on this CPU (bfloat16 without AVX-512 or AVX-NE)
+        return None
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights}
 
     def once():

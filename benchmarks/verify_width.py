@@ -8,8 +8,8 @@ the tokens it verifies at this batch size (the draft's own cost is not counted).
     python benchmarks/verify_width.py --target smollm2 --prompts question.jsonl --per-category 1 \
         --chat-template [--batch-size 13] [--ks 0,1,2,3,4,6] [--padding both]
 
---padding both runs every width twice in a row, with two rows padded to three (fast.compute.kernels.PADDED_ROWS
-on AVX-512 CPUs) and without, to measure what the padding buys on this CPU.
+--padding both runs every width twice in a row, with row counts padded as measured on this machine
+(fast.compute.row_plan, the default) and without padding, to measure what the padding buys here.
 """
 from __future__ import annotations
 
@@ -33,14 +33,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=13)
     p.add_argument("--max-new-tokens", type=int, default=49)
     p.add_argument("--ks", default="0,1,2,3,4,6")
-    p.add_argument("--padding", choices=["machine", "on", "off", "both"], default="machine",
-                   help="fast.compute.kernels.PADDED_ROWS as this CPU has it (machine), two rows padded to three as on "
-                        "AVX-512 CPUs (on), no padding (off), or each width with both")
+    p.add_argument("--padding", choices=["measured", "off", "both"], default="measured",
+                   help="row counts padded as measured on this machine (fast.compute.row_plan), no padding (off), "
+                        "or each width with both")
     args = p.parse_args()
     from specbatch.fast.compute import kernels
-    padded_rows = kernels.padded_rows_for("AVX512")
-    settings = {"machine": [None], "on": [True], "off": [False], "both": [True, False]}[args.padding]
-    machine = dict(kernels.PADDED_ROWS)
+    settings = {"measured": [True], "off": [False], "both": [True, False]}[args.padding]
     target, tokenizer = load_model(args.target, "float32")
     prompts = select_prompts(args.prompts, args.per_category)
     ids = encode_prompts([text for _, text in prompts], tokenizer, args.chat_template)[:args.batch_size]
@@ -49,14 +47,14 @@ def main() -> None:
     print(f"batch {len(ids)}: | k | padding | verified tokens per row | rounds | verify ms per round | "
           "ms per verified token |")
     for k, padding in ((int(x), padding) for x in args.ks.split(",") for padding in settings):
-        kernels.PADDED_ROWS = machine if padding is None else padded_rows if padding else {}
+        kernels.PAD_ROWS = padding
         options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
         if k:
             result = generate(target, draft, ids, num_draft_tokens=k, policy="fixed", **options)
         else:
             result = generate(target, None, ids, **options)
         per_round = 1000 * result.stats["time_verify"] / result.stats["rounds"]
-        print(f"| {k} | {'machine' if padding is None else 'on' if padding else 'off'} | {k + 1} | {result.stats['rounds']} | {per_round:.1f} | {per_round / len(ids) / (k + 1):.2f} |")
+        print(f"| {k} | {'measured' if padding else 'off'} | {k + 1} | {result.stats['rounds']} | {per_round:.1f} | {per_round / len(ids) / (k + 1):.2f} |")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def pytest_configure(config):
     if kind == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(f"--device {device}: CUDA is not available to this torch ({torch.__version__})")
     os.environ["SPECBATCH_TEST_DEVICE"] = device  # read by hf_models.tiny
+    from specbatch.fast.compute import row_plan  # row counts measured in tests stay in memory, off the user's cache
+    row_plan._PLANS = row_plan.RowPlans(None, row_plan.machine_key())
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("full" if config.getoption("--full") else "quick"))
 
 

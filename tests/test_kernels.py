@@ -2,13 +2,15 @@
 included, weights repacked when they change, modules restored after generation, and float32
 generation through them equal to transformers' greedy decoding wherever the reference is not a
 floating-point tie."""
+import json
+
 import numpy as np
 import pytest
 import torch
 
 import specbatch
 from hf_models import EOS, FIXED_K, VOCAB, oracle, tiny
-from specbatch.fast.compute import kernels
+from specbatch.fast.compute import kernels, row_plan
 from specbatch.fast.drafts.scripted import ScriptedDraft
 from specbatch.fast.equivalence import compare
 from specbatch.reference import deviate_hashed
@@ -46,29 +48,129 @@ def test_a_layer_onednn_refuses_stays_plain():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
+class ScriptedCosts:
+    """A time_pass for fast.compute.row_plan whose seconds come from a table: cost[m] for a pass at m
+    rows (the same for every repeat unless `spread`), recording what it was asked."""
+
+    def __init__(self, cost, spread=0.0):
+        self.cost, self.spread, self.asked = cost, spread, []
+
+    def __call__(self, rows, padded):
+        self.asked.append((rows, padded))
+        wobble = self.spread * (len(self.asked) % 3 - 1)  # -spread, 0, +spread in turn
+        return self.cost(padded) + wobble
+
+
+def one_row_slow(m):
+    return {1: 3.0, 2: 2.0, 3: 2.5, 4: 1.0}.get(m, float(m))
+
+
+def test_a_row_count_is_padded_to_the_cheapest_candidate_that_beat_it_every_time():
+    plans = row_plan.RowPlans(None, "machine")
+    timer = ScriptedCosts(one_row_slow)
+    assert plans.rows_for("c", 1, timer) == 4  # 1 row costs 3.0, 4 rows 1.0: padded
+    assert {m for _, m in timer.asked} == set(row_plan.candidates(1)) == {1, 2, 3, 4}
+    assert plans.rows_for("c", 5, timer) == 5  # costs grow with the rows from 5 on: not padded
+    asked = len(timer.asked)
+    assert plans.rows_for("c", 1, timer) == 4 and len(timer.asked) == asked  # decided once
+    assert plans.rows_for("other", 1, ScriptedCosts(float)) == 1  # each shape class decides for itself
+
+
+def test_noise_never_pads():
+    """Where the passes of the cheapest candidate overlap those of the row count itself, no padding."""
+    cost = {3: 1.0, 4: 0.9}
+    assert row_plan.cheapest(3, {3: [1.0, 1.1, 1.2], 4: [0.9, 0.95, 1.05], 5: [2.0] * 3, 6: [2.0] * 3}) == 3
+    assert row_plan.cheapest(3, {3: [1.0, 1.1, 1.2], 4: [0.7, 0.8, 0.99], 5: [2.0] * 3, 6: [2.0] * 3}) == 4
+    assert row_plan.RowPlans(None, "m").rows_for("c", 3, ScriptedCosts(lambda m: cost.get(m, 9.0), 0.06)) == 3
+    assert row_plan.RowPlans(None, "m").rows_for("c", 3, ScriptedCosts(lambda m: cost.get(m, 9.0), 0.04)) == 4
+
+
+def test_the_least_median_wins_and_ties_go_to_fewer_rows():
+    passes = {8: [5.0] * 3, 9: [3.0, 3.0, 4.0], 10: [3.5, 3.5, 3.5], 11: [3.0, 3.0, 3.9]}
+    assert row_plan.cheapest(8, passes) == 9
+    assert row_plan.cheapest(8, {**passes, 10: [2.0, 2.0, 4.9]}) == 10  # the median, not the best pass
+
+
+def test_counts_past_max_rows_are_never_timed_or_padded():
+    timer = ScriptedCosts(lambda m: 1.0 / m)  # more rows always cheaper: padding would always win
+    plans = row_plan.RowPlans(None, "m")
+    assert plans.rows_for("c", row_plan.MAX_ROWS + 1, timer) == row_plan.MAX_ROWS + 1 and timer.asked == []
+    assert plans.rows_for("c", 0, timer) == 0 and timer.asked == []
+    assert plans.rows_for("c", row_plan.MAX_ROWS, timer) > row_plan.MAX_ROWS
+
+
+def test_decisions_are_kept_on_disk_for_this_machine_only(tmp_path):
+    path = tmp_path / "plans.json"
+    first = row_plan.RowPlans(path, "machine A")
+    assert first.rows_for("c", 1, ScriptedCosts(one_row_slow)) == 4
+    again = ScriptedCosts(float)  # would not pad: the saved decision must be what answers
+    assert row_plan.RowPlans(path, "machine A").rows_for("c", 1, again) == 4 and again.asked == []
+    other = ScriptedCosts(float)
+    assert row_plan.RowPlans(path, "machine B").rows_for("c", 1, other) == 1 and other.asked  # measured again
+    path.write_text("{not json")
+    broken = ScriptedCosts(one_row_slow)
+    assert row_plan.RowPlans(path, "machine A").rows_for("c", 1, broken) == 4 and broken.asked
+    assert json.loads(path.read_text())["classes"]["c"]["padded"] == {"1": 4}  # replaced by a readable file
+
+
+def test_the_machine_key_names_the_threads():
+    threads = torch.get_num_threads()
+    assert f"| {threads} threads |" in row_plan.machine_key()
+    try:
+        other = 1 if threads != 1 else 2
+        torch.set_num_threads(other)
+        assert f"| {other} threads |" in row_plan.machine_key()  # another thread count, other costs
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def pad_two_to_three(monkeypatch):
+    """Plans under which two rows are padded to three in every shape class (measured as cheaper)."""
+    plans = row_plan.RowPlans(None, row_plan.machine_key())
+    monkeypatch.setattr(row_plan, "_PLANS", plans)
+    monkeypatch.setattr(row_plan, "plans", lambda: plans)
+    original = plans.rows_for
+    monkeypatch.setattr(plans, "rows_for", lambda key, rows, time_pass: original(
+        key, rows, lambda n, m: {2: 2.0, 3: 1.0}.get(m, float(m)) if n == 2 else float(m)))
+    return plans
+
+
 @pytest.mark.parametrize("shape", [(2, 48), (1, 2, 48), (2, 1, 48)])
-def test_two_rows_are_padded_and_come_back_as_their_own_rows(shape, monkeypatch):
-    """Where two rows go to oneDNN padded to three (PADDED_ROWS, on AVX-512 CPUs), each comes back
-    as its own product, in the input's shape, exactly as it is computed within three rows."""
-    monkeypatch.setattr(kernels, "PADDED_ROWS", {2: 3})
+def test_padded_rows_come_back_as_their_own_rows(shape, pad_two_to_three):
+    """Where two rows go to oneDNN padded to three, each comes back as its own product, in the
+    input's shape, exactly as it is computed within three rows."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80)
     x = torch.randn(*shape)
     with torch.inference_mode(), kernels.prepacked_linears(layer):
         got = layer(x)
         three = layer(torch.cat([x.reshape(2, 48), torch.randn(1, 48)]))
+    assert pad_two_to_three.classes[row_plan.RowPlans.class_key(layer.weight, 1)]["padded"][2] == 3
     assert got.shape == shape[:-1] + (80,)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert torch.equal(got.reshape(2, 80), three[:2])  # the same kernel as three rows: the padding is real
     assert not torch.equal(got.reshape(2, 80)[0], got.reshape(2, 80)[1])
 
 
-def test_rows_are_padded_on_avx512_only():
-    """The padding was measured to pay on an AVX-512 CPU and to cost ~8% of a two-token verify on
-    an AVX2 one (kernels.padded_rows_for)."""
-    assert kernels.padded_rows_for("AVX512") == {2: 3}
-    assert kernels.padded_rows_for("AVX2") == {} and kernels.padded_rows_for("DEFAULT") == {}
-    assert kernels.PADDED_ROWS == kernels.padded_rows_for(torch.backends.cpu.get_cpu_capability())
+def test_a_shape_class_is_timed_over_all_its_layers_as_the_forward_runs_them(monkeypatch):
+    """The real timer: one padded product per weight of the class, its decision within the candidates."""
+    products = []
+    real_product = row_plan.padded_product
+    monkeypatch.setattr(row_plan, "padded_product", lambda x, packed, bias, padded: products.append(
+        (x.shape[0], padded)) or real_product(x, packed, bias, padded))
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 96, bias=False) for _ in range(3)]
+    calls = []
+    with torch.inference_mode(), kernels.prepacked_linears(*layers):
+        packed = [kernels._packed_weight(layer) for layer in layers]
+        timer = row_plan.class_timer(packed, 64, torch.float32)
+        counted = lambda rows, padded: calls.append((rows, padded)) or timer(rows, padded)  # noqa: E731
+        chosen = row_plan.RowPlans(None, "m").rows_for("c", 2, counted)
+        assert chosen in row_plan.candidates(2) and timer(2, 5) > 0
+    assert sorted(set(calls)) == [(2, m) for m in row_plan.candidates(2)]
+    assert len(calls) == (row_plan.REPEATS + 1) * len(row_plan.candidates(2))  # a warm-up pass, then the repeats
+    assert products.count((2, 5)) == (row_plan.REPEATS + 1) * 3 + 3  # each pass: the 3 layers, 2 rows padded to 5
 
 
 def test_a_changed_weight_is_repacked_and_float64_is_left_alone():
@@ -119,7 +221,7 @@ def test_float32_generation_through_prepacked_layers_matches_up_to_ties(arch, st
 
 def test_a_prepacked_layer_that_drops_its_bias_is_caught(monkeypatch):
     """Mutation check: the generation test above fails when the bias is left out."""
-    def no_bias(module, packed):
+    def no_bias(module, packed, *plan):
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     target = with_random_biases(tiny("opt", dtype=torch.float32))
     want = oracle(target, PROMPTS, 12, [EOS])
@@ -139,3 +241,24 @@ def test_compiled_blocks_give_the_same_tokens():
     reports = compare(target, PROMPTS, compiled.sequences, plain.sequences, tolerance=1e-3)
     assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
     assert "forward" not in vars(target.model.layers[0].mlp)  # restored afterwards
+
+
+@pytest.mark.parametrize("strategy", ["ragged", "eqspec"])
+def test_generation_with_every_row_count_padded_matches_up_to_ties(strategy, monkeypatch):
+    """Padding changes no row's product beyond rounding: with every count padded by three rows (as
+    if measured cheaper), generation still equals transformers' greedy decoding up to ties."""
+    plans = row_plan.RowPlans(None, row_plan.machine_key())
+    monkeypatch.setattr(row_plan, "plans", lambda: plans)
+    original = plans.rows_for
+    monkeypatch.setattr(plans, "rows_for", lambda key, rows, time_pass: original(
+        key, rows, lambda n, m: 1.0 if m == n + 3 else 2.0 + m))
+    target = with_random_biases(tiny("llama", dtype=torch.float32))
+    want = oracle(target, PROMPTS, 12, [EOS])
+    draft = ScriptedDraft(target, deviate_hashed(2, 0.3))
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=3, batch_size=3,
+                                strategy=strategy, **FIXED_K)
+    padded = [m - n for entry in plans.classes.values() for n, m in entry["padded"].items()]
+    assert padded and set(padded) == {3}  # every forward of the run went through a padded product
+    reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
+    assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
+    assert sum(r["exact"] for r in reports) >= len(PROMPTS) - 1

@@ -12,7 +12,8 @@ bfloat16) compute with a prepacked copy of its weight for the duration of a bloc
 the modules afterwards. The copy is made once and kept beside the module (keyed by the weight's
 storage and version, so a changed weight is repacked); it costs a second copy of the linear
 weights in memory (`generate(..., prepack=False)` turns it off). Where oneDNN is unavailable or
-refuses a layer, the layer stays as it is.
+refuses a layer, the layer stays as it is. Row counts oneDNN runs more slowly than a slightly larger
+count are padded to it, as measured on the machine (fast.compute.row_plan).
 
 The result equals the plain product up to floating-point rounding (a different summation order);
 target-only decoding (`ar`) and speculative decoding run through the same layers, so outputs are
@@ -24,6 +25,8 @@ import weakref
 from contextlib import contextmanager
 
 import torch
+
+from . import row_plan
 
 PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -49,33 +52,18 @@ def _packed_weight(module: torch.nn.Linear):
     return cached[1]
 
 
-def padded_rows_for(capability: str) -> dict:
-    """Row counts oneDNN multiplies slower than a larger count on a CPU of this capability
-    (torch.backends.cpu.get_cpu_capability()), and the count they are padded to. With the weights
-    streamed from memory (a decoding step at batch 1, SmolLM2-135M; measure with
-    benchmarks/verify_width.py --batch-size 1 --padding both):
-    - AVX-512: a two-row product is slower than a three-row one, so two rows are padded to three;
-    - AVX2: two rows are not slower, and padding them costs time: no padding."""
-    return {2: 3} if capability.upper().startswith("AVX512") else {}
+PAD_ROWS = True  # pad row counts oneDNN runs slowly to a cheaper count, as measured (fast.compute.row_plan)
 
 
-PADDED_ROWS = padded_rows_for(torch.backends.cpu.get_cpu_capability())
-
-
-def _packed_forward(module: torch.nn.Linear, packed):
+def _packed_forward(module: torch.nn.Linear, packed, key: str, time_pass):
     bias = module.bias
 
     def forward(x):
         if x.dtype != packed.dtype:  # not ours to handle (mixed precision): the plain product
             return torch.nn.functional.linear(x, module.weight, bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        padded = PADDED_ROWS.get(rows)
-        if padded is None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        flat = x.reshape(rows, x.shape[-1])
-        flat = torch.cat([flat, flat[:1].expand(padded - rows, -1)])  # the extra rows are dropped below
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+        padded = row_plan.plans().rows_for(key, rows, time_pass) if PAD_ROWS else rows
+        return row_plan.padded_product(x, packed, bias, padded)
     return forward
 
 
@@ -100,13 +88,20 @@ def prepacked_linears(*models, enabled: bool = True, skip=()):
     swapped = []
     try:
         if enabled and available():
+            classes: dict = {}  # shape class (fast.compute.row_plan) -> the packed weights of its modules
             for module in _linears(models, skip):
                 try:
                     packed = _packed_weight(module)
                 except RuntimeError:  # a shape or type oneDNN does not take: leave the layer alone
                     continue
-                module.forward = _packed_forward(module, packed)
-                swapped.append(module)
+                classes.setdefault((tuple(module.weight.shape), module.weight.dtype), []).append((module, packed))
+            for members in classes.values():
+                weight = members[0][0].weight
+                key = row_plan.RowPlans.class_key(weight, len(members))
+                time_pass = row_plan.class_timer([p for _, p in members], weight.shape[1], weight.dtype)
+                for module, packed in members:
+                    module.forward = _packed_forward(module, packed, key, time_pass)
+                    swapped.append(module)
         yield len(swapped)
     finally:
         for module in swapped:

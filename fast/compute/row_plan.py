@@ -1,0 +1,166 @@
+"""Row counts for the prepacked products, chosen from their measured cost on this machine.
+
+oneDNN blocks its kernels by row count, so a product of n rows can cost more than one of m > n
+rows: a decoding step's products at one row took 33.0 ms and at four rows 22.9 ms on an AVX-512
+EPYC, and an Intel Xeon's 49,152-row head cost twice as much at 13 rows as at 16. Which row counts
+pay to pad, and to what, depends on the CPU, the threads, the weights' shape and dtype; so it is
+measured, never assumed:
+
+- a *shape class* is every prepacked weight of one shape and dtype (the 30 layers' gate/up
+  products of SmolLM2 are one class, its head another);
+- the first time a forward brings n rows (n <= MAX_ROWS) to a class, each candidate m in
+  n .. n + max(3, n // 4) is timed as the forward would run n rows padded to m (copies of row 0
+  fill the rest, one product per weight of the class, the first n rows kept), REPEATS passes
+  interleaved so that a machine slowing down slows every candidate alike;
+- n is padded to the candidate of least median time only if every pass at that candidate beat
+  every pass at n: noise never pads;
+- the decisions and times are kept on disk (row-plans/ in the specbatch cache folder, one file per
+  machine: CPU model, capability, threads, torch version), so a machine measures once.
+
+Beyond MAX_ROWS rows (prefill chunks of hundreds of rows) the products are compute-bound and grow
+smoothly with the rows; they are never padded. Padding changes no row's product beyond rounding:
+each row comes back as oneDNN computes it within m rows (tests/test_kernels.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 64  # the row counts of decoding and verifying steps (batch x proposals); larger: never padded
+REPEATS = 3
+
+
+def candidates(rows: int) -> range:
+    """The padded row counts tried for `rows` (itself included)."""
+    return range(rows, rows + max(3, rows // 4) + 1)
+
+
+def cheapest(rows: int, passes: dict) -> int:
+    """The row count `rows` is padded to, from passes[m] (seconds of each timed pass of `rows` rows
+    padded to m): the
+    candidate of least median time, if each of its passes beat each pass at `rows`; else `rows`."""
+    best = min(candidates(rows), key=lambda m: (statistics.median(passes[m]), m))
+    return best if max(passes[best]) < min(passes[rows]) else rows
+
+
+def padded_product(x: torch.Tensor, packed, bias, padded: int) -> torch.Tensor:
+    """x [..., in] times the packed weight, computed as a product of `padded` rows (copies of the
+    first row fill the rest, and are dropped)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    flat = x.reshape(rows, x.shape[-1])
+    flat = torch.cat([flat, flat[:1].expand(padded - rows, -1)])
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
+_CPU: list = []  # the CPU model and capability, read once
+
+
+def machine_key() -> str:
+    """What the measured costs depend on besides the shapes: CPU model, capability, threads, torch."""
+    if not _CPU:
+        model = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+                if line.startswith("model name"):
+                    model = line.partition(":")[2].strip()
+                    break
+        except OSError:
+            pass
+        _CPU.append(f"{model} | {torch.backends.cpu.get_cpu_capability()}")
+    return f"{_CPU[0]} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+class RowPlans:
+    """Padding decisions for every shape class, measured on demand and kept in `path` (None: in
+    memory only). Thread-safe: a forward on another thread waits for a measurement under way."""
+
+    def __init__(self, path: Path | None, machine: str):
+        self.path, self.machine = path, machine
+        self.lock = threading.Lock()
+        self.classes: dict = {}  # class key -> {"padded": {n: m}, "passes": {n: {m: [seconds, ...]}}}
+        if path is not None and path.exists():
+            try:
+                saved = json.loads(path.read_text())
+                if saved.get("machine") == machine:
+                    self.classes = {k: dict(padded={int(n): m for n, m in v["padded"].items()},
+                                            passes={int(n): {int(m): p for m, p in by_m.items()}
+                                                    for n, by_m in v["passes"].items()})
+                                    for k, v in saved["classes"].items()}
+            except (OSError, ValueError, KeyError, AttributeError):
+                self.classes = {}  # an unreadable file is measured again, and replaced
+
+    @staticmethod
+    def class_key(weight: torch.Tensor, count: int) -> str:
+        return f"{tuple(weight.shape)} {str(weight.dtype).removeprefix('torch.')} x{count}"
+
+    def rows_for(self, key: str, rows: int, time_pass) -> int:
+        """The row count to run `rows` rows of class `key` at; time_pass(rows, m) -> seconds of one
+        pass over the class of `rows` rows padded to m, called only for a row count not yet decided."""
+        if rows > MAX_ROWS or rows < 1:
+            return rows
+        known = self.classes.get(key, {}).get("padded", {})
+        if rows in known:
+            return known[rows]
+        with self.lock:
+            entry = self.classes.setdefault(key, dict(padded={}, passes={}))
+            if rows not in entry["padded"]:
+                passes = {m: [] for m in candidates(rows)}
+                for m in passes:
+                    time_pass(rows, m)  # warm: the first pass at a new count sets up oneDNN's kernel
+                for _ in range(REPEATS):
+                    for m in passes:
+                        passes[m].append(time_pass(rows, m))
+                entry["passes"][rows] = passes
+                entry["padded"][rows] = cheapest(rows, passes)
+                self._save()
+            return entry["padded"][rows]
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(dict(machine=self.machine, classes=self.classes), indent=1)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False) as tmp:
+                tmp.write(text)
+            os.replace(tmp.name, self.path)
+        except OSError:
+            pass  # a read-only cache folder: the decisions stay in memory
+
+
+def class_timer(packed_weights: list, in_features: int, dtype):
+    """time_pass for a shape class: one product per weight of `rows` rows padded to `padded`, as the
+    forward runs it."""
+    def time_pass(rows: int, padded: int) -> float:
+        x = torch.randn(rows, in_features).to(dtype)
+        start = time.perf_counter()
+        for packed in packed_weights:
+            padded_product(x, packed, None, padded)
+        return time.perf_counter() - start
+    return time_pass
+
+
+_PLANS: RowPlans | None = None
+
+
+def plans() -> RowPlans:
+    """This process's RowPlans, read from the cache folder's file for this machine on first use."""
+    global _PLANS
+    machine = machine_key()
+    if _PLANS is None or _PLANS.machine != machine:  # torch.set_num_threads changes the machine
+        from ..loading import cache_dir
+        name = hashlib.sha256(machine.encode()).hexdigest()[:16]
+        _PLANS = RowPlans(cache_dir() / "row-plans" / f"{name}.json", machine)
+    return _PLANS
