@@ -196,3 +196,50 @@ def test_two_engines_interleaved_keep_their_own_attention_plans():
     for t in threads:
         t.join(timeout=120)
     assert inner_runs[2:] == [inner_want, inner_want] and current_plan() == Plan()
+
+
+def test_the_price_of_a_part_decides_how_many_groups_and_slices():
+    """plan_groups and plan_parts split only where the slots saved cost more than the calls added."""
+    kv_lens = np.array([5, 300, 6, 290, 7])
+    assert len(plan_groups(kv_lens, group_cost=100.0)) == 2  # calls cheap: short rows apart from long ones
+    assert len(plan_groups(kv_lens, group_cost=1.0)) == 4  # calls nearly free: as many groups as allowed
+    assert len(plan_groups(kv_lens, group_cost=1e6)) == 1  # calls dear: one group over the longest row
+    scattered = [(np.array([0, 2, 4]), 7)]  # rows 0, 2, 4: three runs of one row
+    assert len(plan_parts(scattered, group_cost=1.0)) == 3  # slices: no copy
+    assert len(plan_parts(scattered, group_cost=1e6)) == 1 and not isinstance(plan_parts(scattered, 1e6)[0][0], slice)
+
+
+def test_the_fitted_price_of_a_part_is_the_call_over_the_slot():
+    from specbatch.fast.compute.attention_cost import fit_group_cost
+    points = [(x, 50e-6 + 100e-9 * x) for x in (32, 512, 2048, 8000)]  # 50 µs a call, 100 ns a row-slot
+    assert fit_group_cost(points) == pytest.approx(500.0)
+    assert fit_group_cost([(32, 1e-5), (8000, 1e-5)]) == 8000  # slots free: as dear as the largest part
+    assert fit_group_cost([(32, 0.0), (8000, 1e-3)]) == 1.0  # calls free: at least one slot
+
+
+def test_engine_attention_measures_the_price_of_a_part_for_the_target():
+    from specbatch.fast.compute import attention_cost
+    from specbatch.fast.compute.attention import GROUP_COST, engine_attention
+    target = tiny("llama", dtype=torch.float32)
+    config = target.config
+    with engine_attention(target, None):
+        cost = current_plan().group_cost
+    heads = config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    assert cost == attention_cost.group_cost(heads, config.num_key_value_heads, dim, torch.float32, "cpu")
+    assert 1.0 <= cost <= max(rows * length for rows, length in attention_cost.SHAPES)
+    with engine_attention(target, None, fused=True):
+        assert current_plan().group_cost == GROUP_COST  # one group anyway
+    assert current_plan() == Plan()
+
+
+@pytest.mark.parametrize("cost, parts", [(1.0, 3), (1e6, 1)])  # cheap: rows 0 and 2 as two slices
+def test_flat_and_grouped_plans_split_at_the_price_in_force(cost, parts):
+    """The plan of a forward (flat or grouped) prices a part at the group_cost engine_attention set."""
+    from specbatch.fast.compute.attention import flat_plan
+    kv_lens = np.array([5, 300, 6])
+    with scoped_plan(Plan(group_cost=cost)):
+        flat = flat_plan(np.arange(3), kv_lens - 1, None, torch.float32, -1e30, "cpu")
+        with forward_plan(kv_lens, "cpu"):
+            grouped = current_plan().parts
+    assert len(flat) == len(grouped) == parts

@@ -4,7 +4,8 @@ Rows of one batch attend over very different numbers of slots (a 60-token questi
 770-token document). A single attention call over the longest row makes every row read that many
 key/value slots; on a CPU the read is the cost. Before each forward the engine may give each row's
 visible length (`kv_lens`); rows are then grouped by length and each group reads only up to its
-own longest row. The engine's 4D mask still decides alone what a query sees (I4): a group's mask
+own longest row, where the slots saved cost more than the calls added (the price of a call in
+slots is measured on the machine: fast.compute.attention_cost). The engine's 4D mask still decides alone what a query sees (I4): a group's mask
 is the engine's mask restricted to the group's rows and first slots, and every slot past a row's
 visible length is hidden in that mask anyway, so grouping changes which hidden slots are skipped,
 nothing else.
@@ -39,14 +40,15 @@ import torch.nn.functional as F
 
 NAME = "specbatch"
 SDPA_MIN_QUERIES = 16  # from this many queries per row on, SDPA's kernel wins (prefill)
-GROUP_COST = 256  # one more group costs about as much as reading this many extra slots per row
+GROUP_COST = 256  # one more part's cost in row-slots where none was measured (engine_attention measures it)
 
 
-def plan_groups(kv_lens: np.ndarray, max_groups: int = 4, candidates: int = 32) -> list[tuple[np.ndarray, int]]:
+def plan_groups(kv_lens: np.ndarray, max_groups: int = 4, candidates: int = 32,
+                group_cost: float = GROUP_COST) -> list[tuple[np.ndarray, int]]:
     """Rows (indices into the batch) grouped by visible length, each with its group's length.
 
     Over splits of the rows sorted by length, minimises the slots read (rows x the group's longest
-    length, summed over groups) plus GROUP_COST per extra group (dynamic programming over at most
+    length, summed over groups) plus group_cost per extra group (dynamic programming over at most
     `candidates` places to split: between distinct lengths, thinned out evenly by rank)."""
     kv_lens = np.asarray(kv_lens)
     order = np.argsort(kv_lens, kind="stable")
@@ -70,7 +72,7 @@ def plan_groups(kv_lens: np.ndarray, max_groups: int = 4, candidates: int = 32) 
                 cost = best[g - 1][j] + (bounds[i] - bounds[j]) * longest
                 if cost < best[g][i]:
                     best[g][i], cut[g][i] = cost, j
-    count = min(range(1, max_groups + 1), key=lambda g: best[g][m] + GROUP_COST * (g - 1))
+    count = min(range(1, max_groups + 1), key=lambda g: best[g][m] + group_cost * (g - 1))
     out, i = [], m
     for g in range(count, 0, -1):
         j = cut[g][i]
@@ -79,16 +81,16 @@ def plan_groups(kv_lens: np.ndarray, max_groups: int = 4, candidates: int = 32) 
     return out[::-1]
 
 
-def plan_parts(groups: list[tuple[np.ndarray, int]]) -> list[tuple[object, int]]:
+def plan_parts(groups: list[tuple[np.ndarray, int]], group_cost: float = GROUP_COST) -> list[tuple[object, int]]:
     """How each group is read: as slices of consecutive rows (views, nothing copied) where its rows
     form few runs, else gathered into one copy. Returns (slice or row index array, length) parts.
 
     Gathering copies the group's slots and reads them again (about 2 x rows x length row-slots
-    more); each extra slice costs one more call (GROUP_COST)."""
+    more); each extra slice costs one more call (group_cost row-slots)."""
     parts = []
     for rows, length in groups:
         runs = np.split(rows, np.nonzero(np.diff(rows) != 1)[0] + 1)
-        if (len(runs) - 1) * GROUP_COST <= 2 * len(rows) * length:
+        if (len(runs) - 1) * group_cost <= 2 * len(rows) * length:
             parts += [(slice(int(run[0]), int(run[-1]) + 1), length) for run in runs]
         else:
             parts.append((rows, length))
@@ -125,7 +127,9 @@ def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None
     visible = np.zeros(rows, dtype=np.int64)
     np.maximum.at(visible, token_row, token_index + 1)
     parts = []
-    for members, length in plan_parts(plan_groups(visible, current_plan().max_groups)):
+    plan = current_plan()
+    for members, length in plan_parts(plan_groups(visible, plan.max_groups, group_cost=plan.group_cost),
+                                      plan.group_cost):
         index = np.arange(rows)[members]
         width = int(count[index].max())
         j = np.arange(width)[None, :]
@@ -178,6 +182,7 @@ class Plan:
     parts: list | None = None
     flat: list | None = None
     fused: bool = False  # one group of rows and SDPA's fused kernels (engine_attention(fused=True))
+    group_cost: float = GROUP_COST  # one more part's cost in row-slots (fast.compute.attention_cost)
 
     @property
     def max_groups(self) -> int:
@@ -208,9 +213,10 @@ def forward_plan(kv_lens=None, device=None, flat=None):
     outer = current_plan()
     parts = None
     if kv_lens is not None:
+        groups = plan_groups(np.asarray(kv_lens), outer.max_groups, group_cost=outer.group_cost)
         parts = [(rows if isinstance(rows, slice) else torch.as_tensor(rows, device=device), length)
-                 for rows, length in plan_parts(plan_groups(np.asarray(kv_lens), outer.max_groups))]
-    return scoped_plan(Plan(parts, flat, outer.fused))
+                 for rows, length in plan_parts(groups, outer.group_cost)]
+    return scoped_plan(Plan(parts, flat, outer.fused, outer.group_cost))
 
 
 def plain_attention(query, key, value, mask, scaling, softcap=None):
@@ -335,17 +341,36 @@ def _configs(modules):
     return list(seen.values())
 
 
+def _measured_group_cost(modules) -> float:
+    """One more part's cost in row-slots for the first model's attention shapes (the target's: it
+    reads the most), measured on its device (fast.compute.attention_cost); K/V as the CPU engine
+    keeps them (float32 for a half-precision model, fast.compute.slot_forward.storage_dtype)."""
+    from .attention_cost import group_cost_of
+    for root in modules:
+        parameter = next(root.parameters(), None) if root is not None else None
+        if parameter is None or not hasattr(root, "config"):
+            continue
+        device, dtype = parameter.device, parameter.dtype
+        if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+            dtype = torch.float32
+        cost = group_cost_of(root.config, device, dtype)
+        return GROUP_COST if cost is None else cost
+    return GROUP_COST
+
+
 @contextmanager
 def engine_attention(*modules, fused: bool = False):
     """Use specbatch_attention in every model inside `modules` for the duration of the block; fused:
-    one group of rows and SDPA's kernels (fast.compute.backend)."""
+    one group of rows and SDPA's kernels (fast.compute.backend); else rows split into parts at the
+    price of a part measured on this machine."""
     register()
     configs = _configs(modules)
     before = [c._attn_implementation for c in configs]
     try:
         for c in configs:
             c._attn_implementation = NAME
-        with scoped_plan(Plan(fused=fused)):
+        cost = GROUP_COST if fused or not configs else _measured_group_cost(modules)
+        with scoped_plan(Plan(fused=fused, group_cost=cost)):
             yield
     finally:
         for c, value in zip(configs, before):

@@ -15,6 +15,7 @@ PROPOSALS = ["tests/test_proposals.py"]
 POLICY = ["tests/test_policy.py"]
 SCHEDULING = ["tests/test_scheduling.py", "tests/test_fast_engine.py"]
 FEATURES = ["tests/test_feature_draft.py"]
+ATTENTION = ["tests/test_prefill_and_attention.py"]
 KERNELS = ["tests/test_kernels.py"]
 OPTIONS = ["tests/test_options.py"]
 HOSTILE = ["tests/test_hostile_files.py"]
@@ -217,6 +218,18 @@ MUTANTS = [
      "if rows > MAX_ROWS or rows < 1:", "if rows < 1:", KERNELS),
     ("row-plan-times-unpadded", "kernels", "fast/compute/row_plan.py",
      "            padded_product(x, packed, None, padded)", "            padded_product(x, packed, None, rows)", KERNELS),
+    # ---- attention parts priced as measured (fast.compute.attention_cost)
+    ("attention-part-price-fixed", "attention", "fast/compute/attention.py",
+     "cost = GROUP_COST if fused or not configs else _measured_group_cost(modules)", "cost = GROUP_COST", ATTENTION),
+    ("attention-part-price-inverted", "attention", "fast/compute/attention_cost.py",
+     "return float(min(max(call / slot, 1.0), row_slots.max()))",
+     "return float(min(max(slot / call, 1.0), row_slots.max()))", ATTENTION),
+    ("groups-ignore-the-part-price", "attention", "fast/compute/attention.py",
+     "count = min(range(1, max_groups + 1), key=lambda g: best[g][m] + group_cost * (g - 1))",
+     "count = min(range(1, max_groups + 1), key=lambda g: best[g][m] + GROUP_COST * (g - 1))", ATTENTION),
+    ("flat-plan-ignores-the-part-price", "attention", "fast/compute/attention.py",
+     "plan_groups(visible, plan.max_groups, group_cost=plan.group_cost)", "plan_groups(visible, plan.max_groups)",
+     ATTENTION),
     # ---- one options object: every entry point reads the defaults in force
     ("defaults-frozen-at-import", "options", "specbatch/options.py",
      "return dataclasses.replace(DEFAULTS, **COMMAND_DEFAULTS.get(command, {}))",

@@ -1,0 +1,77 @@
+"""What one more attention call costs, in slots read: measured on this machine for the model's shapes.
+
+The engine's attention (fast.compute.attention) splits the rows of a forward into parts by visible
+length, so that short rows do not read a long row's slots. Each part is one more call (gathering
+its queries, two products, a softmax, scattering its outputs back); each row-slot read costs its
+share of memory traffic. The split is worth it where the slots it saves cost more than the calls
+it adds, so the planner needs the price of a call in slots: `group_cost`.
+
+It differs several-fold between machines (a call cost 76 µs and a row-slot 84 ns on a 2-core AMD
+EPYC VM, about 900 slots a call), so it is measured: the engine's flat attention is timed, one
+query per row as in a decoding step, over parts of `rows` x `length` slots for a few shapes,
+and a line seconds = call + slot x rows x length is fitted through the medians; group_cost is
+call / slot. Measured once per process for each (heads, kv heads, head size, dtype, device), in
+about 0.1 s.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import numpy as np
+import torch
+
+SHAPES = ((1, 32), (1, 512), (2, 1024), (4, 128), (8, 32), (8, 512), (13, 800))  # (rows, length) timed
+REPEATS = 15
+
+
+def time_flat_part(rows: int, length: int, heads: int, kv_heads: int, dim: int, dtype, device,
+                   repeats: int = REPEATS) -> float:
+    """Median seconds of flat_attention over one part: `rows` rows with one query each at their
+    last slot, `length` slots each."""
+    from .attention import Plan, flat_attention, flat_plan, scoped_plan
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    query = torch.randn(1, heads, rows, dim, generator=generator).to(device=device, dtype=dtype)
+    key = torch.randn(rows, kv_heads, length, dim, generator=generator).to(device=device, dtype=dtype)
+    value = torch.randn(rows, kv_heads, length, dim, generator=generator).to(device=device, dtype=dtype)
+    parts = flat_plan(np.arange(rows), np.full(rows, length - 1), None, dtype, float("-inf"), device)  # one part
+    times = []
+    with torch.inference_mode(), scoped_plan(Plan(flat=parts)):
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            flat_attention(query, key, value, dim ** -0.5)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])  # the first two warm up
+
+
+def fit_group_cost(points: list[tuple[int, float]]) -> float:
+    """call / slot of the line seconds = call + slot x row_slots fitted through (row_slots, seconds);
+    at least one slot, and no more than the largest part measured where the slope is nil."""
+    row_slots = np.array([x for x, _ in points], dtype=float)
+    seconds = np.array([y for _, y in points], dtype=float)
+    slot, call = np.polyfit(row_slots, seconds, 1)
+    if slot <= 0:  # reading more slots cost nothing measurable: calls are all that count
+        return float(row_slots.max())
+    return float(min(max(call / slot, 1.0), row_slots.max()))
+
+
+@functools.lru_cache(maxsize=None)
+def group_cost(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, device: str) -> float:
+    """One more attention part's cost, in row-slots read, for these shapes on this machine."""
+    where = torch.device(device)
+    points = [(rows * length, time_flat_part(rows, length, heads, kv_heads, dim, dtype, where))
+              for rows, length in SHAPES]
+    return fit_group_cost(points)
+
+
+def group_cost_of(config, device, dtype) -> float | None:
+    """group_cost for a Hugging Face model's config (None where its attention shapes are unknown)."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not heads or not dim or heads % kv_heads:
+        return None
+    return group_cost(int(heads), int(kv_heads), int(dim), dtype, str(torch.device(device)))
