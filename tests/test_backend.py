@@ -59,12 +59,14 @@ def test_each_backend_equals_transformers_greedy(monkeypatch, backend, strategy,
     target = tiny("llama")
     budgets = [9, 3, 12, 7, 10]
     want = oracle(target, PROMPTS, budgets, [EOS])
+    measured_sdpa = attention._measured_pricing([target])[0]  # the CPU's kernel, measured (and kept) before counting
     widths = attention_calls(monkeypatch)
     result = specbatch.generate(target, drafts(target)[draft], PROMPTS, max_new_tokens=budgets, num_draft_tokens=3,
                                 batch_size=3, strategy=strategy, eos_token_id=EOS, check_invariants=True, **FIXED_K)
     assert result.sequences == want
     few = [w for w in widths if w < attention.SDPA_MIN_QUERIES]  # decode and verify forwards
-    assert (len(few) > 0) == (backend == "cuda"), "decode and verify run SDPA's kernels exactly under fused attention"
+    assert (len(few) > 0) == (backend == "cuda" or measured_sdpa), \
+        "decode and verify run SDPA's kernels under fused attention, and on a CPU where SDPA measured faster"
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])

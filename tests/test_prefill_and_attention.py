@@ -226,7 +226,10 @@ def test_engine_attention_measures_the_price_of_a_part_for_the_target():
         cost = current_plan().group_cost
     heads = config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    assert cost == attention_cost.group_cost(heads, config.num_key_value_heads, dim, torch.float32, "cpu")
+    sdpa, measured = attention_cost.pricing(heads, config.num_key_value_heads, dim, torch.float32, "cpu")
+    assert cost == measured and current_plan() == Plan()
+    with engine_attention(target, None):
+        assert current_plan().sdpa == sdpa  # the kernel measured faster computes the parts
     assert 1.0 <= cost <= max(rows * length for rows, length in attention_cost.SHAPES)
     with engine_attention(target, None, fused=True):
         assert current_plan().group_cost == GROUP_COST  # one group anyway
@@ -243,3 +246,32 @@ def test_flat_and_grouped_plans_split_at_the_price_in_force(cost, parts):
         with forward_plan(kv_lens, "cpu"):
             grouped = current_plan().parts
     assert len(flat) == len(grouped) == parts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_parts_compute_what_plain_parts_do(dtype):
+    """Plan.sdpa changes the kernel of a part, not its result: keys in float32 beside half-precision
+    queries, a query that sees nothing (a flat part's repeats), grouped-query heads."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 6, 2, 8, dtype=dtype)
+    k, v = torch.randn(3, 2, 20, 8), torch.randn(3, 2, 20, 8)
+    visible = torch.arange(20)[None, None, :] < torch.tensor([5, 20, 12])[:, None, None]
+    visible = visible.expand(3, 2, 20).clone()
+    visible[2, 1] = False  # row 2's second query sees nothing
+    mask = torch.zeros(3, 2, 20, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]  # the model's
+    plain = plain_attention(q, k, v, mask, 8 ** -0.5)
+    with scoped_plan(Plan(sdpa=True)):
+        fused = plain_attention(q, k, v, mask, 8 ** -0.5)
+    assert fused.dtype == plain.dtype == dtype and torch.isfinite(fused).all()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    seeing = visible.any(-1)  # [rows, queries]: what a query that sees nothing returns is never read
+    torch.testing.assert_close(fused.transpose(1, 2)[seeing], plain.transpose(1, 2)[seeing], **tol)
+
+
+def test_the_faster_kernel_is_chosen(monkeypatch):
+    from specbatch.fast.compute import attention_cost
+    for plain_seconds, sdpa_seconds, want in ((2.0, 1.0, True), (1.0, 2.0, False)):
+        def timed(fn, repeats, device):
+            return sdpa_seconds if current_plan().sdpa else plain_seconds
+        monkeypatch.setattr(attention_cost, "_median_seconds", timed)
+        assert attention_cost.sdpa_is_faster(4, 2, 8, torch.float32, torch.device("cpu")) is want

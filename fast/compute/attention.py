@@ -5,15 +5,16 @@ Rows of one batch attend over very different numbers of slots (a 60-token questi
 key/value slots; on a CPU the read is the cost. Before each forward the engine may give each row's
 visible length (`kv_lens`); rows are then grouped by length and each group reads only up to its
 own longest row, where the slots saved cost more than the calls added (the price of a call in
-slots is measured on the machine: fast.compute.attention_cost). The engine's 4D mask still decides alone what a query sees (I4): a group's mask
-is the engine's mask restricted to the group's rows and first slots, and every slot past a row's
-visible length is hidden in that mask anyway, so grouping changes which hidden slots are skipped,
-nothing else.
+slots is measured on the machine: fast.compute.attention_cost). The engine's 4D mask still
+decides alone what a query sees (I4): a group's mask is the engine's mask restricted to the
+group's rows and first slots, and every slot past a row's visible length is hidden in that mask
+anyway, so grouping changes which hidden slots are skipped, nothing else.
 
-The computation itself is plain attention: scores = q k^T * scale + mask, softmax (in float32 for
-half-precision inputs), times v, with grouped-query heads handled by a view instead of a copy.
-On this CPU it is faster than SDPA's kernel for the few-query shapes of decoding and verifying
-(and much faster in bfloat16); many-query forwards (prefill) go to SDPA.
+Each part is computed by plain attention: scores = q k^T * scale + mask, softmax (in float32 for
+half-precision inputs), times v, with grouped-query heads handled by a view instead of a copy; or
+by SDPA's kernel, where it measured faster for the few-query shapes of decoding and verifying
+(`Plan.sdpa`: it differs between CPUs, fast.compute.attention_cost). Many-query forwards (prefill)
+go to SDPA.
 
 On an accelerator (fast.compute.backend: `grouped_attention` off) every forward is one group over all rows,
 read up to the longest visible length, and every product is one fused SDPA call (`Plan.fused`):
@@ -105,11 +106,13 @@ class FlatPart:
     tokens [n, Qmax]: flat index of query j of each row (short rows repeat their last query);
     query_index [n, Qmax]: its content index (-1 on the repeats); mask [n, 1, Qmax, length]: the
     additive mask (query j of a row sees slots 0..query_index, I4; repeats see nothing);
-    cells / targets: the valid (row, j) cells of tokens.view(-1) and the flat positions they fill."""
+    cells / targets: the valid (row, j) cells of tokens.view(-1) and the flat positions they fill;
+    run: those positions as a slice where they are one run in order (every row of the part has
+    Qmax queries, rows in order): the part then reads and writes views, nothing gathered."""
 
-    def __init__(self, rows, length, tokens, query_index, mask, cells, targets):
+    def __init__(self, rows, length, tokens, query_index, mask, cells, targets, run=None):
         self.rows, self.length, self.tokens, self.query_index = rows, length, tokens, query_index
-        self.mask, self.cells, self.targets = mask, cells, targets
+        self.mask, self.cells, self.targets, self.run = mask, cells, targets, run
 
 
 def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None, dtype, fill: float,
@@ -145,10 +148,14 @@ def flat_plan(token_row: np.ndarray, token_index: np.ndarray, window: int | None
             seen = tree_visibility(start[index], tokens, real, position, ancestors, length, window)
         mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(torch.as_tensor(~seen), fill)[:, None]
         cells = np.nonzero(real.reshape(-1))[0]
+        flat_tokens = tokens.reshape(-1)
+        first = int(flat_tokens[0])
+        in_order = real.all() and np.array_equal(flat_tokens, np.arange(first, first + len(flat_tokens)))
         parts.append(FlatPart(members if isinstance(members, slice) else torch.as_tensor(members, device=device),
-                              int(length), torch.as_tensor(tokens.reshape(-1), device=device), query,
+                              int(length), torch.as_tensor(flat_tokens, device=device), query,
                               mask.to(device), torch.as_tensor(cells, device=device),
-                              torch.as_tensor(tokens.reshape(-1)[cells], device=device)))
+                              torch.as_tensor(flat_tokens[cells], device=device),
+                              slice(first, first + len(flat_tokens)) if in_order else None))
     return parts
 
 
@@ -183,6 +190,7 @@ class Plan:
     flat: list | None = None
     fused: bool = False  # one group of rows and SDPA's fused kernels (engine_attention(fused=True))
     group_cost: float = GROUP_COST  # one more part's cost in row-slots (fast.compute.attention_cost)
+    sdpa: bool = False  # parts computed by SDPA's kernel, measured faster here (fast.compute.attention_cost)
 
     @property
     def max_groups(self) -> int:
@@ -216,7 +224,7 @@ def forward_plan(kv_lens=None, device=None, flat=None):
         groups = plan_groups(np.asarray(kv_lens), outer.max_groups, group_cost=outer.group_cost)
         parts = [(rows if isinstance(rows, slice) else torch.as_tensor(rows, device=device), length)
                  for rows, length in plan_parts(groups, outer.group_cost)]
-    return scoped_plan(Plan(parts, flat, outer.fused, outer.group_cost))
+    return scoped_plan(Plan(parts, flat, outer.fused, outer.group_cost, outer.sdpa))
 
 
 def plain_attention(query, key, value, mask, scaling, softcap=None):
@@ -224,11 +232,15 @@ def plain_attention(query, key, value, mask, scaling, softcap=None):
 
     Keys and values may be stored in a wider dtype than the queries (a float32 cache for a bfloat16
     model): the product is then computed in the cache's dtype and returned in the query's. Under
-    a fused plan, SDPA's fused kernel computes the same (without softcap, for one dtype)."""
-    if current_plan().fused and softcap is None and key.dtype == query.dtype:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                              enable_gqa=query.shape[1] != key.shape[1])
+    a fused plan, or where the plan found it faster (Plan.sdpa), SDPA's kernel computes the same
+    (without softcap)."""
     out_dtype = query.dtype
+    plan = current_plan()
+    if (plan.fused or plan.sdpa) and softcap is None:
+        out = F.scaled_dot_product_attention(query.to(key.dtype), key, value, scale=scaling,
+                                             attn_mask=None if mask is None else mask.to(key.dtype),
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.to(out_dtype)
     if key.dtype != query.dtype:
         query = query.to(key.dtype)
     batch, heads, queries, dim = query.shape
@@ -282,11 +294,15 @@ def flat_attention(query, key, value, scaling, softcap=None):
     flat_q = query[0]  # [H, T, D]
     for part in current_plan().flat:
         n, width = part.mask.shape[0], part.mask.shape[2]
-        q = flat_q.index_select(1, part.tokens).view(heads, n, width, query.shape[-1]).transpose(0, 1)
+        picked = flat_q[:, part.run] if part.run is not None else flat_q.index_select(1, part.tokens)
+        q = picked.view(heads, n, width, query.shape[-1]).transpose(0, 1)
         o = plain_attention(q, rows_of(key, part.rows, part.length), rows_of(value, part.rows, part.length),
                             part.mask, scaling, softcap)  # [n, H, Qmax, D]
-        o = o.transpose(0, 1).reshape(heads, n * width, dim).index_select(1, part.cells)
-        out[0].index_copy_(1, part.targets, o)
+        o = o.transpose(0, 1).reshape(heads, n * width, dim)
+        if part.run is not None:
+            out[0][:, part.run] = o
+        else:
+            out[0].index_copy_(1, part.targets, o.index_select(1, part.cells))
     return out
 
 
@@ -341,11 +357,12 @@ def _configs(modules):
     return list(seen.values())
 
 
-def _measured_group_cost(modules) -> float:
-    """One more part's cost in row-slots for the first model's attention shapes (the target's: it
-    reads the most), measured on its device (fast.compute.attention_cost); K/V as the CPU engine
-    keeps them (float32 for a half-precision model, fast.compute.slot_forward.storage_dtype)."""
-    from .attention_cost import group_cost_of
+def _measured_pricing(modules) -> tuple[bool, float]:
+    """(SDPA's kernel or plain, one more part's cost in row-slots) for the first model's attention
+    shapes (the target's: it reads the most), measured on its device (fast.compute.attention_cost);
+    K/V as the CPU engine keeps them (float32 for a half-precision model,
+    fast.compute.slot_forward.storage_dtype)."""
+    from .attention_cost import pricing_of
     for root in modules:
         parameter = next(root.parameters(), None) if root is not None else None
         if parameter is None or not hasattr(root, "config"):
@@ -353,24 +370,24 @@ def _measured_group_cost(modules) -> float:
         device, dtype = parameter.device, parameter.dtype
         if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
             dtype = torch.float32
-        cost = group_cost_of(root.config, device, dtype)
-        return GROUP_COST if cost is None else cost
-    return GROUP_COST
+        measured = pricing_of(root.config, device, dtype)
+        return (False, GROUP_COST) if measured is None else measured
+    return False, GROUP_COST
 
 
 @contextmanager
 def engine_attention(*modules, fused: bool = False):
     """Use specbatch_attention in every model inside `modules` for the duration of the block; fused:
     one group of rows and SDPA's kernels (fast.compute.backend); else rows split into parts at the
-    price of a part measured on this machine."""
+    price of a part, and each part computed by the kernel, measured on this machine."""
     register()
     configs = _configs(modules)
     before = [c._attn_implementation for c in configs]
     try:
         for c in configs:
             c._attn_implementation = NAME
-        cost = GROUP_COST if fused or not configs else _measured_group_cost(modules)
-        with scoped_plan(Plan(fused=fused, group_cost=cost)):
+        sdpa, cost = (False, GROUP_COST) if fused or not configs else _measured_pricing(modules)
+        with scoped_plan(Plan(fused=fused, group_cost=cost, sdpa=sdpa)):
             yield
     finally:
         for c, value in zip(configs, before):
