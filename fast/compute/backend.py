@@ -6,9 +6,9 @@ sets against transformers). `for_device(device)` picks them by the device's type
 
 | choice | CPU | CUDA (and any other accelerator) |
 |---|---|---|
-| `prepack_linears`: oneDNN prepacked weights (fast.compute.kernels; two-row products padded to three on AVX-512) | on | off |
+| `prepack_linears`: oneDNN prepacked weights (fast.compute.kernels; row counts padded where measured cheaper, fast.compute.row_plan) | on | off |
 | `wide_half_kv`: float32 K/V for bfloat16/float16 models | on: the small attention products run several times faster in float32 | off: the model's dtype, half the memory traffic |
-| `grouped_attention`: rows grouped by visible length, each group read with plain matmuls (fast.compute.attention) | on: reading slots is the cost, a Python loop over groups is cheap beside a 200 ms step | off: one fused SDPA call over every row of the ragged layout, since a launch per group costs more than the slots it saves |
+| `grouped_attention`: rows grouped by visible length, each group read by the kernel measured faster, at the measured price of a group (fast.compute.attention, fast.compute.attention_cost) | on: reading slots is the cost, a Python loop over groups is cheap beside a 100 ms step | off: one fused SDPA call over every row of the ragged layout, since a launch per group costs more than the slots it saves |
 
 A model sharded by tensor parallelism (specbatch.tensor_parallel: DTensor weights) keeps
 transformers' own sharded layers: the paths that replace a layer's forward or read its weights

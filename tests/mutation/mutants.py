@@ -220,7 +220,8 @@ MUTANTS = [
      "            padded_product(x, packed, None, padded)", "            padded_product(x, packed, None, rows)", KERNELS),
     # ---- attention parts priced as measured (fast.compute.attention_cost)
     ("attention-part-price-fixed", "attention", "fast/compute/attention.py",
-     "cost = GROUP_COST if fused or not configs else _measured_group_cost(modules)", "cost = GROUP_COST", ATTENTION),
+     "sdpa, cost = (False, GROUP_COST) if fused or not configs else _measured_pricing(modules)",
+     "sdpa, cost = False, GROUP_COST", ATTENTION),
     ("attention-part-price-inverted", "attention", "fast/compute/attention_cost.py",
      "return float(min(max(call / slot, 1.0), row_slots.max()))",
      "return float(min(max(slot / call, 1.0), row_slots.max()))", ATTENTION),
@@ -229,8 +230,6 @@ MUTANTS = [
      "count = min(range(1, max_groups + 1), key=lambda g: best[g][m] + GROUP_COST * (g - 1))", ATTENTION),
     ("sdpa-chosen-when-slower", "attention", "fast/compute/attention_cost.py",
      "return totals[True] < totals[False]", "return totals[True] > totals[False]", ATTENTION),
-    ("sdpa-part-drops-the-mask", "attention", "fast/compute/attention.py",
-     "attn_mask=None if mask is None else mask.to(key.dtype),", "attn_mask=None,", ATTENTION),
     ("flat-run-reads-the-next-queries", "attention", "fast/compute/attention.py",
      "picked = flat_q[:, part.run] if part.run is not None else flat_q.index_select(1, part.tokens)",
      "picked = flat_q[:, part.run.start + 1:part.run.stop + 1] if part.run is not None and part.run.stop < "
@@ -270,8 +269,7 @@ MUTANTS = [
      "self.accepted_at += (np.asarray(accepted)[:, None] > position).sum(axis=0)", ["tests/test_fast_engine.py"]),
     # ---- device choices (fast.compute.backend) and the fused attention path
     ("fused-attention-drops-the-mask", "device", "fast/compute/attention.py",
-     "return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,",
-     "return F.scaled_dot_product_attention(query, key, value, attn_mask=None, scale=scaling,", BACKEND),
+     "attn_mask=None if mask is None else mask.to(key.dtype),", "attn_mask=None,", BACKEND + ATTENTION),
     ("accelerators-get-the-cpu-choices", "device", "fast/compute/backend.py",
      'return CHOICES["cpu" if torch.device(device).type == "cpu" else "cuda"]', 'return CHOICES["cpu"]', BACKEND),
     ("parts-removed-before-the-merge", "files", "specbatch/cli/commands.py",
