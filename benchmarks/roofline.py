@@ -99,7 +99,10 @@ def engine_steps(batches, new_tokens: int, repeats: int) -> list[dict]:
     import specbatch
     from specbatch.cli.bench import SHIPPED_PROMPTS, select_prompts
     from specbatch.prepare import encode_prompts
+    from specbatch.cli.bench import prepare_kernels
+    from specbatch.options import defaults
     target, _, tokenizer = specbatch.load("smollm2")
+    prepare_kernels(target, None, defaults())
     ids = encode_prompts([t for _, t in select_prompts(SHIPPED_PROMPTS)], tokenizer, True)
     rows = []
     for batch in batches:

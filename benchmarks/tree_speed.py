@@ -66,6 +66,9 @@ def main() -> None:
     ids = encode_prompts(texts, tokenizer, args.chat_template)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     branch_list = [int(b) for b in args.branches.split(",")]
+    from specbatch.cli.bench import prepare_kernels
+    from specbatch.options import defaults
+    prepare_kernels(target, draft, defaults())
     before = calibration.calibrate()
     rows = []
     for batch in batches:

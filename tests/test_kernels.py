@@ -146,7 +146,7 @@ def test_padded_rows_come_back_as_their_own_rows(shape, pad_two_to_three):
     with torch.inference_mode(), kernels.prepacked_linears(layer):
         got = layer(x)
         three = layer(torch.cat([x.reshape(2, 48), torch.randn(1, 48)]))
-    assert pad_two_to_three.classes[row_plan.RowPlans.class_key(layer.weight, 1)]["padded"][2] == 3
+    assert pad_two_to_three.classes[row_plan.RowPlans.class_key(layer.weight)]["padded"][2] == 3
     assert got.shape == shape[:-1] + (80,)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert torch.equal(got.reshape(2, 80), three[:2])  # the same kernel as three rows: the padding is real
@@ -171,6 +171,27 @@ def test_a_shape_class_is_timed_over_all_its_layers_as_the_forward_runs_them(mon
     assert sorted(set(calls)) == [(2, m) for m in row_plan.candidates(2)]
     assert len(calls) == (row_plan.REPEATS + 1) * len(row_plan.candidates(2))  # a warm-up pass, then the repeats
     assert products.count((2, 5)) == (row_plan.REPEATS + 1) * 3 + 3  # each pass: the 3 layers, 2 rows padded to 5
+    products.clear()
+    row_plan.class_timer(packed * 3, 64, torch.float32)(1, 2)
+    assert len(products) == row_plan.SAMPLE < 3 * len(packed)  # a big class is timed on a sample of its weights
+
+
+def test_a_benchmark_decides_every_row_count_before_it_times_anything(monkeypatch):
+    plans = row_plan.RowPlans(None, row_plan.machine_key())
+    monkeypatch.setattr(row_plan, "plans", lambda: plans)
+    from specbatch.fast.compute.lean_llama import LeanCausalLM
+    target = tiny("llama", dtype=torch.float32)
+    models = (target, LeanCausalLM.of(target))  # the lean forward's fused projections are classes of their own
+    classes = {row_plan.RowPlans.class_key(m.weight) for model in models for m in model.modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert kernels.prepare_row_plans(*models, up_to=5) == 5 * len(classes)
+    assert {key: sorted(entry["padded"]) for key, entry in plans.classes.items()} == \
+        {key: [1, 2, 3, 4, 5] for key in classes}
+    assert kernels.prepare_row_plans(*models, up_to=5) == 0  # decided once
+    timed = []
+    monkeypatch.setattr(row_plan, "class_timer", lambda *a: lambda rows, padded: timed.append(rows) or 1.0)
+    specbatch.generate(target, None, [[1, 2, 3]], max_new_tokens=4, batch_size=1, strategy="ragged")
+    assert timed == [] or min(timed) > 5  # nothing at 1..5 rows was measured during the run
 
 
 def test_a_changed_weight_is_repacked_and_float64_is_left_alone():

@@ -81,6 +81,36 @@ def _linears(models, skip=()):
     return list(seen.values())
 
 
+def _row_classes(classes: dict):
+    """(class key, its timer, its (module, packed weight) members) of each shape class (fast.compute.row_plan)."""
+    for members in classes.values():
+        weight = members[0][0].weight
+        yield (row_plan.RowPlans.class_key(weight), row_plan.class_timer([p for _, p in members], weight.shape[1],
+                                                                         weight.dtype), members)
+
+
+def prepare_row_plans(*models, up_to: int) -> int:
+    """Decide now the padding of every row count 1..up_to (at most row_plan.MAX_ROWS) for the shape
+    classes of the prepackable linears inside `models`, so that no forward measures later (a
+    benchmark calls this before it times anything). Returns the number of decisions made here."""
+    if not (PAD_ROWS and available()):
+        return 0
+    classes: dict = {}
+    for module in _linears(models):
+        try:
+            classes.setdefault((tuple(module.weight.shape), module.weight.dtype), []).append(
+                (module, _packed_weight(module)))
+        except RuntimeError:
+            continue
+    plans, made = row_plan.plans(), 0
+    with torch.inference_mode():
+        for key, time_pass, _ in _row_classes(classes):
+            for rows in range(1, min(up_to, row_plan.MAX_ROWS) + 1):
+                made += rows not in plans.classes.get(key, {}).get("padded", {})
+                plans.rows_for(key, rows, time_pass)
+    return made
+
+
 @contextmanager
 def prepacked_linears(*models, enabled: bool = True, skip=()):
     """Compute every eligible nn.Linear inside `models` (but not inside the modules `skip`) with a
@@ -95,10 +125,7 @@ def prepacked_linears(*models, enabled: bool = True, skip=()):
                 except RuntimeError:  # a shape or type oneDNN does not take: leave the layer alone
                     continue
                 classes.setdefault((tuple(module.weight.shape), module.weight.dtype), []).append((module, packed))
-            for members in classes.values():
-                weight = members[0][0].weight
-                key = row_plan.RowPlans.class_key(weight, len(members))
-                time_pass = row_plan.class_timer([p for _, p in members], weight.shape[1], weight.dtype)
+            for key, time_pass, members in _row_classes(classes):
                 for module, packed in members:
                     module.forward = _packed_forward(module, packed, key, time_pass)
                     swapped.append(module)

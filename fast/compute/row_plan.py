@@ -9,9 +9,11 @@ measured, never assumed:
 - a *shape class* is every prepacked weight of one shape and dtype (the 30 layers' gate/up
   products of SmolLM2 are one class, its head another);
 - the first time a forward brings n rows (n <= MAX_ROWS) to a class, each candidate m in
-  n .. n + 3 is timed as the forward would run n rows padded to m (copies of row 0
-  fill the rest, one product per weight of the class, the first n rows kept), REPEATS passes
-  interleaved so that a machine slowing down slows every candidate alike;
+  n .. n + 3 is timed as the forward would run n rows padded to m (copies of row 0 fill the
+  rest, one product per weight of a sample of SAMPLE weights of the class, the first n rows
+  kept), REPEATS passes interleaved so that a machine slowing down slows every candidate alike;
+  a decision costs well under a second, and `kernels.prepare_row_plans` makes them all before a
+  benchmark times anything;
 - n is padded to the candidate of least median time only if every pass at that candidate beat
   every pass at n: noise never pads;
 - the decisions and times are kept on disk (row-plans/ in the specbatch cache folder, one file per
@@ -37,6 +39,7 @@ import torch
 
 MAX_ROWS = 64  # the row counts of decoding and verifying steps (batch x proposals); larger: never padded
 REPEATS = 3
+SAMPLE = 4  # weights of a class timed per pass: equal shapes cost alike, and a pass stays above timer noise
 
 
 def candidates(rows: int) -> range:
@@ -102,8 +105,8 @@ class RowPlans:
                 self.classes = {}  # an unreadable file is measured again, and replaced
 
     @staticmethod
-    def class_key(weight: torch.Tensor, count: int) -> str:
-        return f"{tuple(weight.shape)} {str(weight.dtype).removeprefix('torch.')} x{count}"
+    def class_key(weight: torch.Tensor) -> str:
+        return f"{tuple(weight.shape)} {str(weight.dtype).removeprefix('torch.')}"
 
     def rows_for(self, key: str, rows: int, time_pass) -> int:
         """The row count to run `rows` rows of class `key` at; time_pass(rows, m) -> seconds of one
@@ -141,12 +144,14 @@ class RowPlans:
 
 
 def class_timer(packed_weights: list, in_features: int, dtype):
-    """time_pass for a shape class: one product per weight of `rows` rows padded to `padded`, as the
-    forward runs it."""
+    """time_pass for a shape class: one product per weight of a sample of SAMPLE of them, `rows` rows
+    padded to `padded`, as the forward runs it."""
+    sample = packed_weights[:SAMPLE]
+
     def time_pass(rows: int, padded: int) -> float:
         x = torch.randn(rows, in_features).to(dtype)
         start = time.perf_counter()
-        for packed in packed_weights:
+        for packed in sample:
             padded_product(x, packed, None, padded)
         return time.perf_counter() - start
     return time_pass
