@@ -37,17 +37,11 @@ class SlotLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(slots, heads, capacity, value_states.shape[-1], dtype=dtype)
         self.is_initialized = True
 
-    def _flat_index(self, row_of_query: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Rows of keys.view(-1, D) for each (query row, head, query) of key_states [R, H, Q, D]."""
-        heads, capacity = self.keys.shape[1], self.keys.shape[2]
-        head = torch.arange(heads, device=index.device)
-        return ((row_of_query[:, None, :] * heads + head[None, :, None]) * capacity + index[:, None, :]).reshape(-1)
-
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
-        flat = self._flat_index(owner.row_of_query, owner.write_slot)
+        flat = owner.flat_index(self.keys.shape[1], self.keys.shape[2])
         self.keys.view(-1, self.keys.shape[-1]).index_copy_(
             0, flat, key_states.reshape(-1, key_states.shape[-1]).to(self.keys.dtype))
         self.values.view(-1, self.values.shape[-1]).index_copy_(
@@ -73,10 +67,20 @@ class SlotCache(Cache):
         """storage_dtype: keep K/V in this dtype (None: the model's). A bfloat16 model on a CPU keeps
         them in float32 (exact widening), where attention's small products run much faster."""
         self.slots, self.capacity, self.device, self.storage_dtype = slots, capacity, device, storage_dtype
-        self.rows, self.packed = slots, False
+        self.rows, self.packed, self._flat_index = slots, False, None
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
+    def flat_index(self, heads: int, capacity: int) -> torch.Tensor:
+        """Rows of a layer's keys.view(-1, D) for each (query row, head, query) of the forward's
+        key_states [R, H, Q, D]: computed once per forward, shared by the layers of equal shape."""
+        if self._flat_index is None or self._flat_index[0] != (heads, capacity):
+            head = torch.arange(heads, device=self.write_slot.device)
+            flat = (self.row_of_query[:, None, :] * heads + head[None, :, None]) * capacity + self.write_slot[:, None, :]
+            self._flat_index = ((heads, capacity), flat.reshape(-1))
+        return self._flat_index[1]
+
     def _write_slots(self, query_index: torch.Tensor) -> torch.Tensor:
+        self._flat_index = None  # a new forward: its queries write elsewhere
         return torch.where(query_index >= 0, query_index, torch.full_like(query_index, self.capacity))
 
     def prepare(self, count: int, query_index: torch.Tensor, kv_len: int) -> None:
