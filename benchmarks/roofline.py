@@ -126,7 +126,8 @@ def markdown(report: dict) -> str:
              "| dtype | rows | products, F.linear (ms) | products, prepacked (ms) | of which the head, prepacked (ms) |",
              "|---|---|---|---|---|"]
     for r in report["products"]:
-        lines.append(f"| {r['dtype']} | {r['rows']} | {r['plain_ms']} | {r['prepacked_ms']} | {r['head_prepacked_ms']} |")
+        packed = [("not on this CPU" if r[k] is None else r[k]) for k in ("prepacked_ms", "head_prepacked_ms")]
+        lines.append(f"| {r['dtype']} | {r['rows']} | {r['plain_ms']} | {packed[0]} | {packed[1]} |")
     if report.get("engine"):
         f32 = {r["rows"]: r for r in report["products"] if r["dtype"] == "float32"}
         lines += ["", "| batch | specbatch decode step (ms) | products, prepacked (ms) | step / products |",

@@ -205,6 +205,7 @@ class _nothing:
         return False
 
 
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_subprocess_help_lists_commands_and_errors_have_no_traceback(folders, tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "specbatch", *a], capture_output=True, text=True)  # noqa
     helped = run("--help")

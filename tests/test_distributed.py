@@ -37,6 +37,7 @@ def without_rounds(path) -> list[dict]:
 @pytest.mark.parametrize("sampling", only_full([], ["--temperature", "0.9", "--sampling", "rejection", "--seed", "3"],
                                                 ["--temperature", "0.9", "--sampling", "coupled", "--seed", "3"]),
                          ids=["greedy", "rejection", "coupled"])
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_two_processes_give_the_single_process_file(setup, sampling):
     root, target, draft, prompts = setup
     common = ["generate", "--target", target, "--draft", draft, "--prompts", str(prompts), "--dtype", "float64",

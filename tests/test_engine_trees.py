@@ -222,6 +222,7 @@ def test_a_draft_that_ranks_no_candidates_proposes_a_chain():
     assert runs[0].stats["nodes_per_row_round"] == runs[1].stats["nodes_per_row_round"]
 
 
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_cli_tree_branches(tmp_path):
     """--tree-branches is a generate/verify/bench flag: a bad value exits 2 naming it, no traceback."""
     folder = tmp_path / "model"

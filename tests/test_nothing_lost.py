@@ -97,6 +97,7 @@ def test_bench_refuses_a_folder_that_holds_a_bench(folders, prompt_file, tmp_pat
 
 # ---------------------------------------------------------------- long work kept, resumed, and told truly
 
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_bench_interrupted_then_resumed_equals_an_uninterrupted_run(folders, prompt_file, tmp_path, capsys,
                                                                     monkeypatch):
     import specbatch.cli.bench as bench
@@ -124,6 +125,7 @@ def test_bench_interrupted_then_resumed_equals_an_uninterrupted_run(folders, pro
     assert rows(cut) == rows(whole)
 
 
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_conform_sample_interrupted_then_resumed_equals_an_uninterrupted_run(folders, prompt_file, tmp_path, capsys,
                                                                              monkeypatch):
     import specbatch.conformance.testing as testing

@@ -37,6 +37,7 @@ def test_public_names_are_the_moved_modules_themselves(public, home):
     assert getattr(importlib.import_module(parent), leaf) is importlib.import_module(home)
 
 
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_entry_points_reach_the_cli_and_the_plugin():
     points = importlib.metadata.entry_points()
     script = [p for p in points.select(group="console_scripts") if p.name == "specbatch"]

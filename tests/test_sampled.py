@@ -328,6 +328,7 @@ def test_cli_make_sample_and_check(folders, prompt_file, tmp_path, capsys):
 
 # ---------------------------------------------------------------- token trees (multi-candidate rejection)
 
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_the_textbook_sampler_over_token_trees_passes_and_its_tree_bugs_are_flagged():
     """The textbook sampler with 3 candidates per position (proofs_notes/trees.md, Lemma T6) passes at
     the default size; ranked leaves tested as if drawn (rejected in 100 of 100 runs of the power table;
@@ -353,6 +354,7 @@ def test_the_binomial_tail_is_exact():
             assert binomial_sf(k, n, p) == pytest.approx(want, rel=1e-9, abs=1e-300)
 
 
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_the_tail_test_catches_a_few_tokens_the_target_almost_never_draws():
     """Penalties at draft positions that miss the round's earlier drafts put a few repeated tokens
     where the target gives them almost nothing. In this run the tree test dilutes them into its rest

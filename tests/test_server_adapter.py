@@ -89,6 +89,7 @@ def test_the_server_engine_is_an_engine_of_the_kit(pair, vectors, monkeypatch):
 
 # ---------------------------------------------------------------- the differential check
 
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_differential_check_against_the_engines_own_run(pair, vectors):
     """Reference: one request at a time with logprobs; configured: concurrent. Equal, and a changed
     token is a tie or algorithmic by the engine's own logprob margin there."""
@@ -151,6 +152,7 @@ def sampled_pair():
 @pytest.mark.parametrize("api,bug", [("openai", None), pytest.param("llama.cpp", None, marks=pytest.mark.full),
                                      ("openai", "shared-seed"),
                                      pytest.param("openai", "wrong-top-p", marks=pytest.mark.full)])
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_sampled_vectors_through_a_server(sampled_pair, api, bug):
     target, draft = sampled_pair
     vectors = sampled_vectors(target, seed=4, samples=32)
@@ -236,6 +238,7 @@ def test_the_tie_tolerance_must_be_finite_and_non_negative(greedy_vectors, tmp_p
                    "--tie-tolerance")
 
 
+@pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile
 def test_run_check_resume_and_no_silent_overwrite(pair, vectors, greedy_vectors, tmp_path, capsys):
     out = tmp_path / "outputs.jsonl"
     with serve(pair, vectors) as server:

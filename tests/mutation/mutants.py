@@ -81,7 +81,7 @@ MUTANTS = [
     ("compaction-forgets-draft-pending", "cache", "fast/proposer.py",
      "        self.pending[dst] = self.pending[src]\n", "", RAGGED + ["tests/test_engine_state_machine.py"]),
     ("slot-write-one-slot-late", "cache", "fast/compute/slot_cache.py",
-     "* capacity + index[:, None, :]).reshape(-1)", "* capacity + index[:, None, :] + 1).reshape(-1)", RAGGED),
+     "* capacity + self.write_slot[:, None, :]", "* capacity + self.write_slot[:, None, :] + 1", RAGGED),
     ("draft-pending-after-full-accept", "cache", "fast/verify.py",
      "return n - np.minimum(np.minimum(accepted, k - 1), n)", "return n - np.minimum(accepted, n)", ENGINE),
     # ---- acceptance
