@@ -10,7 +10,7 @@ it adds, so the planner needs the price of a call in slots: `group_cost`.
 It differs several-fold between machines (a call cost 76 µs and a row-slot 84 ns on a 2-core AMD
 EPYC VM, about 900 slots a call), so it is measured: the engine's flat attention is timed, one
 query per row as in a decoding step, over parts of `rows` x `length` slots for a few shapes,
-and a line seconds = call + slot x rows x length is fitted through the medians; group_cost is
+and a line seconds = call + slot x rows x length is fitted through the fastest of each; group_cost is
 call / slot.
 
 The kernel of a part is measured too: plain matmuls and a softmax, or SDPA's fused kernel. Which
@@ -22,7 +22,6 @@ measured once per process for each (heads, kv heads, head size, dtype, device), 
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 
 import numpy as np
@@ -33,7 +32,9 @@ KERNEL_SHAPES = ((1, 128, 1), (4, 512, 1), (13, 300, 1), (4, 256, 4))  # (rows, 
 REPEATS = 15
 
 
-def _median_seconds(fn, repeats: int, device) -> float:
+def _fastest_seconds(fn, repeats: int, device) -> float:
+    """The fastest of `repeats` timed calls after two warm-up calls: a busy machine only ever slows a
+    call down, so the fastest is the estimate that other work disturbs least."""
     times = []
     for _ in range(repeats + 2):
         start = time.perf_counter()
@@ -41,7 +42,7 @@ def _median_seconds(fn, repeats: int, device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])  # the first two warm up
+    return min(times[2:])
 
 
 def sdpa_is_faster(heads: int, kv_heads: int, dim: int, dtype, device, repeats: int = REPEATS) -> bool:
@@ -56,7 +57,7 @@ def sdpa_is_faster(heads: int, kv_heads: int, dim: int, dtype, device, repeats: 
         mask = torch.zeros(rows, 1, queries, length, dtype=dtype, device=device)
         for sdpa in (False, True):
             with torch.inference_mode(), scoped_plan(Plan(sdpa=sdpa)):
-                totals[sdpa] += _median_seconds(lambda: plain_attention(query, key, value, mask, dim ** -0.5),
+                totals[sdpa] += _fastest_seconds(lambda: plain_attention(query, key, value, mask, dim ** -0.5),
                                                 repeats, device)
     return totals[True] < totals[False]
 
@@ -72,7 +73,7 @@ def time_flat_part(rows: int, length: int, heads: int, kv_heads: int, dim: int, 
     value = torch.randn(rows, kv_heads, length, dim, generator=generator).to(device=device, dtype=dtype)
     parts = flat_plan(np.arange(rows), np.full(rows, length - 1), None, dtype, float("-inf"), device)  # one part
     with torch.inference_mode(), scoped_plan(Plan(flat=parts, sdpa=sdpa)):
-        return _median_seconds(lambda: flat_attention(query, key, value, dim ** -0.5), repeats, device)
+        return _fastest_seconds(lambda: flat_attention(query, key, value, dim ** -0.5), repeats, device)
 
 
 def fit_group_cost(points: list[tuple[int, float]]) -> float:
