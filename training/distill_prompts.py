@@ -150,9 +150,9 @@ def reasoning_problem(rng: random.Random) -> str:
     a, b, c = rng.sample(NAMES, 3)
     forms = [
         f"{a} is taller than {b}, and {b} is taller than {c}. Who is the shortest? Explain.",
-        f"If all bloops are razzies and all razzies are lazzies, are all bloops definitely lazzies?",
+        "If all bloops are razzies and all razzies are lazzies, are all bloops definitely lazzies?",
         f"{a} was born before {b}. {c} was born after {b}. Who is the oldest?",
-        f"There are three boxes: one has apples, one has oranges, one has both. All labels are wrong. You may take one fruit from one box. How do you fix the labels?",
+        "There are three boxes: one has apples, one has oranges, one has both. All labels are wrong. You may take one fruit from one box. How do you fix the labels?",
         f"{a} says: '{b} is lying.' {b} says: '{c} is lying.' {c} says: 'Both {a} and {b} are lying.' Who tells the truth?",
         f"A farmer has {rng.randint(10, 30)} sheep and all but {rng.randint(3, 9)} run away. How many are left?",
         f"What comes next in the sequence {', '.join(str(x) for x in [2 * i + 1 for i in range(rng.randint(3, 6))])}, ...? Explain the pattern.",

@@ -167,10 +167,8 @@ def make_processor_vectors(target, *, tokenizer=None, seed: int = 0, candidates:
             x = logits_of(prompt + processed_greedy_decode(logits_of, prompt, 1, Processors(), eos))[-1]
             bias = float(min(x.max() - x[eos[0]] + 1.0, 100.0))
             add("min-tokens-eos", prompt, max_new_tokens, dict(logit_bias={eos[0]: bias}, min_tokens=3))
-    decode = None
+    decode = None if tokenizer is None else (lambda tokens: tokenizer.decode(list(tokens), skip_special_tokens=True))
     if tokenizer is not None:
-        def decode(tokens):
-            return tokenizer.decode(list(tokens), skip_special_tokens=True)
         for cls in STOP_CLASSES:
             for prompt, stop in _stop_strings(logits_of, prompts, plain, cls, decode, eos, max_new_tokens, per_class):
                 add(cls, prompt, max_new_tokens, dict(stop=[stop]))
