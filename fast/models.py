@@ -58,8 +58,10 @@ class ModelRunner:
         return int(self.model.config.num_hidden_layers)
 
     def __call__(self, input_ids, position_ids, mask, cache, last_only: bool = False, kv_lens=None, flat=None,
-                 features=None, **options):
+                 features=None, segments=None, **options):
         """flat: the FlatParts of a flat forward (fast.compute.attention.flat_plan), whose attention they define.
+        segments: a packed prefill's prompts (start, end), where its mask is causal within each and
+        hides every other prompt (fast.compute.attention.segment_attention).
         features: the target's features for a draft that reads them (fast.drafts.feature_draft); the draft's
         own estimates of every query's feature are then kept in `last_features`. options: further
         keyword arguments of the model's forward (a draft's subset_logits, engine_lookup)."""
@@ -70,7 +72,7 @@ class ModelRunner:
             kwargs["logits_to_keep"] = 1
         if features is not None:
             kwargs["features"] = features
-        with torch.inference_mode(), forward_plan(kv_lens, input_ids.device, flat):
+        with torch.inference_mode(), forward_plan(kv_lens, input_ids.device, flat, segments):
             out = (self.lean or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                             use_cache=True, **kwargs)
         self.last_features = getattr(out, "features", None)

@@ -275,3 +275,36 @@ def test_the_faster_kernel_is_chosen(monkeypatch):
             return sdpa_seconds if current_plan().sdpa else plain_seconds
         monkeypatch.setattr(attention_cost, "_fastest_seconds", timed)
         assert attention_cost.sdpa_is_faster(4, 2, 8, torch.float32, torch.device("cpu")) is want
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_pack_attended_prompt_by_prompt_equals_its_block_diagonal_mask(dtype):
+    """segment_attention computes what the packed prefill's mask says (I4), prompt by prompt."""
+    from specbatch.fast.compute.attention import segment_attention
+    from specbatch.fast.compute.prefill import packed_inputs
+    torch.manual_seed(0)
+    lengths = [3, 20, 1, 17]
+    _, _, mask, _ = packed_inputs([[0] * n for n in lengths], None, dtype, torch.finfo(dtype).min, "cpu")
+    q = torch.randn(1, 6, sum(lengths), 8, dtype=dtype)
+    k, v = torch.randn(1, 2, sum(lengths), 8, dtype=dtype), torch.randn(1, 2, sum(lengths), 8, dtype=dtype)
+    bounds = np.cumsum([0] + lengths)
+    got = segment_attention(q, k, v, tuple(zip(bounds[:-1], bounds[1:])), 8 ** -0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=8 ** -0.5, enable_gqa=True)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_the_engine_prefills_prompt_by_prompt_where_there_is_no_window(monkeypatch):
+    from specbatch.fast.compute import attention as attention_module
+    seen = []
+    real = attention_module.segment_attention
+    monkeypatch.setattr(attention_module, "segment_attention", lambda q, k, v, segments, scaling: seen.append(
+        segments) or real(q, k, v, segments, scaling))
+    target = long_target()
+    want = oracle(target, LONG, 4, [EOS])
+    result = specbatch.generate(target, None, LONG, max_new_tokens=4, batch_size=len(LONG), strategy="ragged")
+    assert result.sequences == want
+    per_pack = seen[::target.config.num_hidden_layers]  # every layer of a pack sees the same segments
+    assert sorted(end - start for segments in per_pack for start, end in segments) == \
+        sorted(len(p) - 1 for p in LONG if len(p) > 1)  # every prompt's content once, whole
+    assert any(len(segments) > 1 for segments in per_pack)  # several prompts in one pack, apart

@@ -191,6 +191,7 @@ class Plan:
     fused: bool = False  # one group of rows and SDPA's fused kernels (engine_attention(fused=True))
     group_cost: float = GROUP_COST  # one more part's cost in row-slots (fast.compute.attention_cost)
     sdpa: bool = False  # parts computed by SDPA's kernel, measured faster here (fast.compute.attention_cost)
+    segments: tuple | None = None  # a packed prefill's prompts (start, end): its mask is causal within each
 
     @property
     def max_groups(self) -> int:
@@ -215,16 +216,16 @@ def scoped_plan(plan: Plan):
         _PLAN.reset(token)
 
 
-def forward_plan(kv_lens=None, device=None, flat=None):
+def forward_plan(kv_lens=None, device=None, flat=None, segments=None):
     """Group the rows of the next forward by their visible lengths (host array, or None), or give
-    the parts of a flat forward: a scoped_plan for the block."""
+    the parts of a flat forward, or a packed prefill's prompt segments: a scoped_plan for the block."""
     outer = current_plan()
     parts = None
     if kv_lens is not None:
         groups = plan_groups(np.asarray(kv_lens), outer.max_groups, group_cost=outer.group_cost)
         parts = [(rows if isinstance(rows, slice) else torch.as_tensor(rows, device=device), length)
                  for rows, length in plan_parts(groups, outer.group_cost)]
-    return scoped_plan(Plan(parts, flat, outer.fused, outer.group_cost, outer.sdpa))
+    return scoped_plan(Plan(parts, flat, outer.fused, outer.group_cost, outer.sdpa, segments))
 
 
 def plain_attention(query, key, value, mask, scaling, softcap=None):
@@ -306,6 +307,20 @@ def flat_attention(query, key, value, scaling, softcap=None):
     return out
 
 
+def segment_attention(query, key, value, segments, scaling):
+    """Attention of a packed prefill (fast.compute.prefill) whose mask is block-diagonal causal: each
+    prompt's queries [start, end) attend causally over its own keys only, as the mask says (I4),
+    computed per prompt so that no score across prompts, or above the diagonal, is computed at all.
+    query [1, H, T, D], key and value [1, Hkv, T, D] (the pack's own)."""
+    out = query.new_empty(query.shape[:3] + (value.shape[-1],))
+    for start, end in segments:
+        part = F.scaled_dot_product_attention(query[:, :, start:end].to(key.dtype), key[:, :, start:end],
+                                              value[:, :, start:end], is_causal=True, scale=scaling,
+                                              enable_gqa=query.shape[1] != key.shape[1])
+        out[:, :, start:end] = part.to(out.dtype)
+    return out
+
+
 def specbatch_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                         **kwargs):
     """An AttentionInterface function: returns (output [B, Q, H, D], None)."""
@@ -321,6 +336,8 @@ def specbatch_attention(module, query, key, value, attention_mask, dropout: floa
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if plan.flat is not None:
         out = flat_attention(query, key, value, scaling, softcap)
+    elif plan.segments is not None and query.shape[2] >= SDPA_MIN_QUERIES and softcap is None:
+        out = segment_attention(query, key, value, plan.segments, scaling)
     elif query.shape[2] >= SDPA_MIN_QUERIES and query.dtype in (torch.float32, torch.float64) and softcap is None:
         length = max(length for _, length in plan.parts) if plan.parts else key.shape[2]
         mask = None if attention_mask is None else attention_mask[..., :length]

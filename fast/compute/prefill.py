@@ -10,11 +10,15 @@ prompt alone), with
 - each token's K/V written straight to its row's slot for its content index (I3: the same K/V an
   unpadded batch-1 prefill computes, since the token sees exactly the same prefix at the same
   positions).
-The pack bound keeps the attention's wasted cross-prompt work small: a pack of T tokens computes
-T^2 scores where the prompts need the sum of their squared lengths.
+Without a window the engine's attention computes each prompt of a pack causally on its own
+(fast.compute.attention.segment_attention): no score across prompts or above the diagonal is
+computed. With a window the pack's mask is applied whole, and the pack bound keeps the wasted
+cross-prompt work small: a pack of T tokens computes T^2 scores where the prompts need the sum of
+their squared lengths.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -71,7 +75,9 @@ def prefill_into(runner, cache: SlotCache, contents: list[list[int]], slot_rows:
         cache.prepare_packed(rows[None], (first + pos[0])[None])
         s.observer.check(lambda: check_packed_forward(pos, mask, [len(contents[i]) for i in pack], s.window))
         extra = route(rows[None], pos) if route is not None else {}
-        runner(ids, pos, mask, cache, last_only=True, **extra)
+        bounds = np.cumsum([0] + [len(contents[i]) for i in pack])
+        segments = tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist())) if s.window is None else None
+        runner(ids, pos, mask, cache, last_only=True, segments=segments, **extra)
 
 
 def prefill_rectangle(runner, contents: list[list[int]], width: int, settings) -> DynamicCache:

@@ -235,6 +235,12 @@ MUTANTS = [
      "picked = flat_q[:, part.run.start + 1:part.run.stop + 1] if part.run is not None and part.run.stop < "
      "flat_q.shape[1] else flat_q[:, part.run] if part.run is not None else flat_q.index_select(1, part.tokens)",
      ATTENTION + ["tests/test_fast_engine.py"]),
+    ("pack-segments-not-causal", "attention", "fast/compute/attention.py",
+     "value[:, :, start:end], is_causal=True, scale=scaling,", "value[:, :, start:end], is_causal=False, scale=scaling,",
+     ATTENTION),
+    ("pack-segments-despite-a-window", "attention", "fast/compute/prefill.py",
+     "segments = tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist())) if s.window is None else None",
+     "segments = tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist()))", ATTENTION + ["tests/test_fast_engine.py"]),
     ("flat-plan-ignores-the-part-price", "attention", "fast/compute/attention.py",
      "plan_groups(visible, plan.max_groups, group_cost=plan.group_cost)", "plan_groups(visible, plan.max_groups)",
      ATTENTION),
