@@ -308,3 +308,17 @@ def test_the_engine_prefills_prompt_by_prompt_where_there_is_no_window(monkeypat
     assert sorted(end - start for segments in per_pack for start, end in segments) == \
         sorted(len(p) - 1 for p in LONG if len(p) > 1)  # every prompt's content once, whole
     assert any(len(segments) > 1 for segments in per_pack)  # several prompts in one pack, apart
+
+
+def test_a_windowed_model_prefills_through_its_mask(monkeypatch):
+    """With a sliding window the pack's mask hides the tokens beyond it: never prompt by prompt."""
+    from specbatch.fast.compute import attention as attention_module
+    seen = []
+    real = attention_module.segment_attention
+    monkeypatch.setattr(attention_module, "segment_attention", lambda *a: seen.append(a[3]) or real(*a))
+    target = tiny("mistral", sliding_window=6)
+    prompts = [p for p in LONG if 20 < len(p) < 400][:3]
+    want = oracle(target, prompts, 4, [EOS])
+    assert want != oracle(tiny("mistral"), prompts, 4, [EOS])  # the window changes the output
+    result = specbatch.generate(target, None, prompts, max_new_tokens=4, batch_size=3, strategy="ragged")
+    assert result.sequences == want and seen == []

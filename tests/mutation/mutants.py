@@ -240,7 +240,7 @@ MUTANTS = [
      ATTENTION),
     ("pack-segments-despite-a-window", "attention", "fast/compute/prefill.py",
      "segments = tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist())) if s.window is None else None",
-     "segments = tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist()))", ATTENTION + ["tests/test_fast_engine.py"]),
+     "segments = tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist()))", ATTENTION),
     ("flat-plan-ignores-the-part-price", "attention", "fast/compute/attention.py",
      "plan_groups(visible, plan.max_groups, group_cost=plan.group_cost)", "plan_groups(visible, plan.max_groups)",
      ATTENTION),
