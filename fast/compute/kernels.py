@@ -55,14 +55,15 @@ def _packed_weight(module: torch.nn.Linear):
 PAD_ROWS = True  # pad row counts oneDNN runs slowly to a cheaper count, as measured (fast.compute.row_plan)
 
 
-def _packed_forward(module: torch.nn.Linear, packed, key: str, time_pass):
+def _packed_forward(module: torch.nn.Linear, packed, plans, key: str, time_pass):
+    """module's forward on its packed weight; plans: the process's row_plan.RowPlans, or None (no padding)."""
     bias = module.bias
 
     def forward(x):
         if x.dtype != packed.dtype:  # not ours to handle (mixed precision): the plain product
             return torch.nn.functional.linear(x, module.weight, bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        padded = row_plan.plans().rows_for(key, rows, time_pass) if PAD_ROWS else rows
+        padded = plans.rows_for(key, rows, time_pass) if plans is not None else rows
         return row_plan.padded_product(x, packed, bias, padded)
     return forward
 
@@ -81,8 +82,17 @@ def _linears(models, skip=()):
     return list(seen.values())
 
 
-def _row_classes(classes: dict):
-    """(class key, its timer, its (module, packed weight) members) of each shape class (fast.compute.row_plan)."""
+def _row_classes(models, skip=()):
+    """(class key, its timer, its (module, packed weight) members) of each shape class
+    (fast.compute.row_plan) of the linears inside `models` oneDNN packs; a layer it refuses (a shape
+    or type it does not take) is left out, and stays as it is."""
+    classes: dict = {}
+    for module in _linears(models, skip):
+        try:
+            packed = _packed_weight(module)
+        except RuntimeError:
+            continue
+        classes.setdefault((tuple(module.weight.shape), module.weight.dtype), []).append((module, packed))
     for members in classes.values():
         weight = members[0][0].weight
         yield (row_plan.RowPlans.class_key(weight), row_plan.class_timer([p for _, p in members], weight.shape[1],
@@ -95,16 +105,9 @@ def prepare_row_plans(*models, up_to: int) -> int:
     benchmark calls this before it times anything). Returns the number of decisions made here."""
     if not (PAD_ROWS and available()):
         return 0
-    classes: dict = {}
-    for module in _linears(models):
-        try:
-            classes.setdefault((tuple(module.weight.shape), module.weight.dtype), []).append(
-                (module, _packed_weight(module)))
-        except RuntimeError:
-            continue
     plans, made = row_plan.plans(), 0
     with torch.inference_mode():
-        for key, time_pass, _ in _row_classes(classes):
+        for key, time_pass, _ in _row_classes(models):
             for rows in range(1, min(up_to, row_plan.MAX_ROWS) + 1):
                 made += rows not in plans.classes.get(key, {}).get("padded", {})
                 plans.rows_for(key, rows, time_pass)
@@ -118,16 +121,10 @@ def prepacked_linears(*models, enabled: bool = True, skip=()):
     swapped = []
     try:
         if enabled and available():
-            classes: dict = {}  # shape class (fast.compute.row_plan) -> the packed weights of its modules
-            for module in _linears(models, skip):
-                try:
-                    packed = _packed_weight(module)
-                except RuntimeError:  # a shape or type oneDNN does not take: leave the layer alone
-                    continue
-                classes.setdefault((tuple(module.weight.shape), module.weight.dtype), []).append((module, packed))
-            for key, time_pass, members in _row_classes(classes):
+            plans = row_plan.plans() if PAD_ROWS else None  # looked up once for the block, not per product
+            for key, time_pass, members in _row_classes(models, skip):
                 for module, packed in members:
-                    module.forward = _packed_forward(module, packed, key, time_pass)
+                    module.forward = _packed_forward(module, packed, plans, key, time_pass)
                     swapped.append(module)
         yield len(swapped)
     finally:

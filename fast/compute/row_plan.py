@@ -25,10 +25,10 @@ each row comes back as oneDNN computes it within m rows (tests/test_kernels.py).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -67,22 +67,15 @@ def padded_product(x: torch.Tensor, packed, bias, padded: int) -> torch.Tensor:
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
-_CPU: list = []  # the CPU model and capability, read once
+@functools.lru_cache(maxsize=1)
+def _cpu() -> str:
+    from ...cli.machine import cpu_info
+    return f"{cpu_info()['model']} | {torch.backends.cpu.get_cpu_capability()}"
 
 
 def machine_key() -> str:
     """What the measured costs depend on besides the shapes: CPU model, capability, threads, torch."""
-    if not _CPU:
-        model = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-                if line.startswith("model name"):
-                    model = line.partition(":")[2].strip()
-                    break
-        except OSError:
-            pass
-        _CPU.append(f"{model} | {torch.backends.cpu.get_cpu_capability()}")
-    return f"{_CPU[0]} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    return f"{_cpu()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
 class RowPlans:
