@@ -180,6 +180,8 @@ class Proposals:
     lookup_rows: np.ndarray  # rows that drafted by prompt lookup alone
     host_confidence: np.ndarray | None = None  # [R, steps] float64, where the rule read confidences
     siblings: torch.Tensor | None = None  # [R, steps, b - 1] each step's other candidates, a tree's leaves (fast.trees)
+    leaves: np.ndarray | None = None  # [R, steps] the leading siblings of each step the rule put in the tree
+    runner_ups: np.ndarray | None = None  # [R, steps, b - 1] host: what the rule priced the leaves by (or None)
 
     @property
     def limit(self) -> np.ndarray:
@@ -218,8 +220,9 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     clamp = np.asarray(clamp, dtype=np.int64)
     rows = len(clamp)
     rule = _round_rule(settings, clamp, requests, remaining, waiting)
-    steps, dists, confidences, host, siblings = [], [], [], [], []
+    steps, dists, confidences, host, siblings, leaves, runner_ups = [], [], [], [], [], [], []
     branches = settings.tree_branches
+    most = branches - 1  # leaves a step may bring
     active, proposed = rule.limit > 0, np.zeros(rows, dtype=np.int64)
     ids, lookup_rows, model_steps = None, np.zeros(rows, dtype=bool), 0
     for step in range(int(rule.limit.max(initial=0))):
@@ -236,11 +239,15 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             token, dist, confidence = _choose_drafts(settings, logits, requests, content + step, found, lookup_rows,
                                                      steps, device)
             if branches > 1:  # leaves of the row's tree (lookup rows have none)
-                siblings.append(settings.chooser.siblings(logits, dist, token, requests, content + step, branches - 1))
+                siblings.append(settings.chooser.siblings(logits, dist, token, requests, content + step, most))
+                if rule.decides_leaves:  # one small host copy per step: what the leaves are priced by
+                    runner_ups.append(settings.chooser.runner_ups(logits, requests, most).double().cpu().numpy())
         elif found is not None:  # lookup rows alone: no model, and greedy builds no [R, V] logits
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
             if branches > 1:  # never read: every row drafting at this step is a lookup row, which has no leaves
-                siblings.append(token[:, None].expand(-1, branches - 1))
+                siblings.append(token[:, None].expand(-1, most))
+                if rule.decides_leaves:
+                    runner_ups.append(np.zeros((rows, most)))
         else:
             break  # no row may draft this round
         ids = token[:, None]
@@ -253,11 +260,14 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             host.append(seen)
         proposes, active = rule.step(step, seen, active)
         proposed += proposes
+        if branches > 1:
+            leaves.append(rule.leaves(step, runner_ups[-1] if runner_ups else None, proposes, most))
         if not active.any():
             break
     q = _stacked(dists) if settings.chooser.needs_q else None
     return Proposals(_so_far(steps, rows, device), q, _stacked(confidences), proposed, rule, len(steps), model_steps,
-                     lookup_rows, np.stack(host, axis=1) if host else None, _stacked(siblings))
+                     lookup_rows, np.stack(host, axis=1) if host else None, _stacked(siblings),
+                     np.stack(leaves, axis=1) if leaves else None, np.stack(runner_ups, axis=1) if runner_ups else None)
 
 
 def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, waiting: bool):
@@ -265,8 +275,7 @@ def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, wait
     if settings.policy is None:
         return ThresholdRule(clamp)
     remaining_host = None if remaining is None else np.asarray(remaining)
-    return settings.policy.plan(RoundInfo(np.asarray(requests.tolist()), clamp, remaining_host, waiting,
-                                          settings.tree_branches))
+    return settings.policy.plan(RoundInfo(np.asarray(requests.tolist()), clamp, remaining_host, waiting))
 
 
 def _choose_drafts(settings: Settings, logits, requests, index, found, lookup_rows, steps: list, device):
@@ -289,16 +298,35 @@ def _so_far(steps: list, rows: int, device) -> torch.Tensor:
     return torch.cat(steps, dim=1) if steps else torch.zeros(rows, 0, dtype=torch.long, device=device)
 
 
-def record_round(settings: Settings, clock, requests, proposals: Proposals, accepted, verify_tokens: int) -> None:
+def record_round(settings: Settings, clock, requests, proposals: Proposals, accepted, verify_tokens: int,
+                 spine_accepted=None) -> None:
     """Tell the policy (if any) what the round proposed, accepted and cost (seconds as clock.agree
-    gives them, so that the ranks of a tensor-parallel group plan alike)."""
+    gives them, so that the ranks of a tensor-parallel group plan alike). A tree round's accepted
+    [R] is its path's length and spine_accepted [R] the path's leading spine nodes (None: a chain)."""
     if settings.policy is None:
         return
     draft_seconds, verify_seconds, ended = clock.agree(clock.last.get("time_draft", 0.0),
                                                        clock.last.get("time_verify", 0.0), time.perf_counter())
-    settings.policy.record(RoundOutcome(np.asarray(requests), proposals.proposed, np.asarray(accepted),
+    accepted = np.asarray(accepted)
+    spine = accepted if spine_accepted is None else np.asarray(spine_accepted)
+    leaf_confidence, leaves_accepted = leaf_outcome(proposals, accepted, spine)
+    settings.policy.record(RoundOutcome(np.asarray(requests), proposals.proposed, spine,
                                         proposals.host_confidence, proposals.model_steps, draft_seconds,
-                                        verify_tokens, verify_seconds, proposals.lookup_rows, ended))
+                                        verify_tokens, verify_seconds, proposals.lookup_rows,
+                                        leaf_confidence=leaf_confidence, leaves_accepted=leaves_accepted,
+                                        ended=ended))
+
+
+def leaf_outcome(proposals: Proposals, accepted: np.ndarray, spine: np.ndarray) -> tuple[float, float]:
+    """(runner-up probability, count) summed over a tree round's reached leaves (those under a spine
+    node on the accepted path or the root: step j <= spine_i), and its accepted leaves (a path that
+    leaves the spine ends at a leaf)."""
+    if proposals.leaves is None or proposals.runner_ups is None:
+        return 0.0, 0.0
+    leaves, runner_ups = proposals.leaves, proposals.runner_ups
+    reached = np.arange(leaves.shape[1])[None, :] <= spine[:, None]  # [R, steps]
+    included = np.arange(runner_ups.shape[2])[None, None, :] < (leaves * reached)[:, :, None]
+    return float(np.where(included, runner_ups, 0.0).sum()), float((accepted > spine).sum())
 
 
 def check_rect_forward(pad_len: torch.Tensor, first_col: int, position_ids, mask, window) -> list:

@@ -120,7 +120,13 @@ def observer_for(check_invariants: bool, trace_writer=None) -> Observer:
 
 
 def check_proposals(proposals) -> list:
-    """I7: every row's proposal length is the rule's, from its own confidences and limit."""
+    """I7: every row's proposal length (and a tree's leaves under each proposal) is the rule's, from
+    its own confidences and limit."""
     confidence = (proposals.confidence.float().cpu().numpy() if proposals.confidence is not None
                   else np.zeros((len(proposals.limit), 0)))
-    return proposals.rule.check(proposals.proposed, confidence)
+    found = proposals.rule.check(proposals.proposed, confidence)
+    if proposals.leaves is not None:  # a tree round: each step's leaves are the rule's too
+        found += proposals.rule.check_leaves(proposals.leaves, proposals.runner_ups, confidence, proposals.proposed,
+                                             ~np.asarray(proposals.lookup_rows, dtype=bool),
+                                             proposals.siblings.shape[2])
+    return found

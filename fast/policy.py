@@ -18,7 +18,9 @@ proposals per unit of draft confidence) comes from the row's own history, shrunk
 Before drafting, the best achievable ratio lam = max over plans of (sum of worth committed) / (round
 seconds) is found from the rows' history forecasts; a proposal then pays if its expected worth is at
 least lam * b (the price of its verify token), a draft step if what it adds is at least lam *
-draft(R). The worth of a token is 1 while requests wait for a slot; with nobody waiting it is the
+draft(R). With token trees a leaf is priced the same way, one verify token, its acceptance
+min(leaf_calibration * runner-up probability, 1) with a leaf calibration pooled over the batch
+(accepted leaves per unit of their probabilities, for leaves whose parent was reached; fast.proposals). The worth of a token is 1 while requests wait for a slot; with nobody waiting it is the
 row's remaining budget over the largest (the run ends with its longest rows). Greedy and coupled
 outputs cannot change with proposal lengths; rejection-sampled outputs with a fixed seed would (the
 distribution stays exact), so their default is Threshold.
@@ -53,7 +55,6 @@ class RoundInfo:
     clamp: np.ndarray  # [R] min(k, remaining - 1): the most each row may propose
     remaining: np.ndarray | None = None  # [R] tokens left in each row's budget (None: unknown)
     waiting: bool = True  # whether requests wait for a slot
-    branches: int = 1  # verify tokens each proposal brings: itself and its tree leaves (fast.trees)
 
 
 @dataclass
@@ -62,13 +63,15 @@ class RoundOutcome:
 
     requests: np.ndarray  # [R]
     proposed: np.ndarray  # [R] proposals per row
-    accepted: np.ndarray  # [R] accepted proposals per row (a prefix)
+    accepted: np.ndarray  # [R] accepted proposals per row (a prefix; a tree's: its spine nodes on the accepted path)
     confidence: np.ndarray | None  # [R, S] the draft's confidence at each step run (host), or None
     draft_steps: int  # draft model steps run
     draft_seconds: float
     verify_tokens: int  # tokens the verify forward computed
     verify_seconds: float
     lookup_rows: np.ndarray | None = None  # [R] rows that drafted by prompt lookup alone (None: none)
+    leaf_confidence: float = 0.0  # token trees: runner-up probabilities of the leaves whose parent was reached
+    leaves_accepted: float = 0.0  # ... and how many of those leaves were accepted
     ended: float = field(default_factory=time.perf_counter)  # clock reading when the round ended
 
 
@@ -113,6 +116,7 @@ class Goodput:
     """The goodput policy (module docstring)."""
 
     PRIOR_WEIGHT = 2.0  # pseudo-proposals of the batch's rate in a row's estimate
+    LEAF_PRIOR = 1.0  # pseudo-confidence of leaves at the batch's proposal calibration, in the leaf calibration
     reads_confidence = True
 
     def __init__(self, k: int):
@@ -121,6 +125,7 @@ class Goodput:
         self.overhead: deque = deque(maxlen=64)  # seconds of a round outside draft and verify
         self.rows: dict = {}  # (request, drafted by lookup) -> History
         self.pooled = {False: History(), True: History()}  # the batch's, by source
+        self.leaves = History()  # token trees: the batch's reached leaves (their probabilities) and accepted ones
         self.last_record = None
         self.rule = None
 
@@ -137,6 +142,14 @@ class Goodput:
         calibration = accepted / (np.array([h.confidence for h in own]) + w * pooled_confidence)
         return forecast, calibration
 
+    def leaf_calibration(self, rows: int) -> np.ndarray:
+        """[R]: accepted leaves per unit of their runner-up probabilities, the batch's, shrunk towards
+        the batch's calibration of model proposals."""
+        pooled = self.pooled[False]
+        prior = (pooled.accepted + self.PRIOR_WEIGHT * 0.5) / (pooled.confidence + self.PRIOR_WEIGHT * 0.5)
+        value = (self.leaves.accepted + self.LEAF_PRIOR * prior) / (self.leaves.confidence + self.LEAF_PRIOR)
+        return np.full(rows, value)
+
     def worth(self, info: RoundInfo) -> np.ndarray:
         rows = len(info.clamp)
         if info.waiting or info.remaining is None:
@@ -150,13 +163,15 @@ class Goodput:
         forecast, calibration = self.estimates(info.requests)
         by_lookup = self.estimates(info.requests, lookup=True)[1]
         worth = self.worth(info)
+        leaf_calibration = self.leaf_calibration(rows)
         if not (self.draft_cost.measured() and self.verify_cost.measured()):  # the first round: everything
-            self.rule = GoodputRule(clamp, worth, calibration, forecast, 0.0, 0.0, by_lookup)
+            self.rule = GoodputRule(clamp, worth, calibration, forecast, 0.0, 0.0, by_lookup, leaf_calibration)
             return self.rule
         overhead = float(np.median(self.overhead)) if self.overhead else 0.0
-        token, step = self.verify_cost.slope() * info.branches, self.draft_cost(rows)  # a proposal's verify tokens
+        token, step = self.verify_cost.slope(), self.draft_cost(rows)  # one verify token: a proposal's, a leaf's
         lam = best_ratio(worth, forecast, clamp, max(self.verify_cost(rows) + overhead, 1e-9), token, step)
-        self.rule = GoodputRule(clamp, worth, calibration, forecast, lam * token, lam * step, by_lookup)
+        self.rule = GoodputRule(clamp, worth, calibration, forecast, lam * token, lam * step, by_lookup,
+                                leaf_calibration)
         return self.rule
 
     def record(self, outcome: RoundOutcome) -> None:
@@ -175,6 +190,7 @@ class Goodput:
             columns = np.arange(outcome.confidence.shape[1])[None, :] < reached[:, None]
             confidence = np.where(columns, outcome.confidence, 0.0).sum(axis=1)
         landed = np.minimum(accepted, proposed)
+        self.leaves.add(0.0, outcome.leaves_accepted, outcome.leaf_confidence)
         lookup = np.zeros(rows, dtype=bool) if outcome.lookup_rows is None else np.asarray(outcome.lookup_rows)
         for source in (False, True):  # evidence of both sources ages every round
             mine = lookup == source

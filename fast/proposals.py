@@ -15,6 +15,18 @@ length never follows a neighbour's tokens. A rule may also stop drafting for eve
 once (the goodput rule, where one more draft step does not pay); it then lowers those rows' limits
 to the proposals they have, so the checkers see the same limit. A row that proposes nothing gets
 exactly one target token; a round in which no row proposes is a plain target step.
+
+With token trees (fast.trees) a rule also decides how many leaves each proposal's step brings
+(`leaves`): the threshold rule all tree_branches - 1 of them, the goodput rule the leading ones whose
+expected worth pays for their verify token, from the step's runner-up probabilities (the 2nd, 3rd,
+... largest of the draft's distribution; like `confidence`, never a token drawn):
+
+    leaf r at step j:  worth_i * prod_{j' < j} min(calibration_i * confidence_ij', 1)
+                       * min(leaf_calibration_i * runner_up_ijr, 1) >= bar
+
+A leaf commits one more token exactly when the target's choice is its token (siblings are
+distinct), so its expected gain has the same form as a proposal's; the verify token is the same
+price. Where no leaf pays the row's tree is its chain.
 """
 from __future__ import annotations
 
@@ -44,19 +56,39 @@ def goodput_lengths(confidence: np.ndarray, limit: np.ndarray, worth: np.ndarray
     return ((value >= bar) & steps).cumprod(axis=1).sum(axis=1)
 
 
+def goodput_leaves(runner_ups: np.ndarray, reach: np.ndarray, worth, leaf_calibration, bar: float) -> np.ndarray:
+    """[R]: the goodput rule's leaves at one step, from the step's runner-up probabilities [R, b - 1]
+    (most likely first) and each row's reach before the step [R]: the leading ones that pay."""
+    accept = np.minimum(np.asarray(leaf_calibration, dtype=float)[:, None] * runner_ups, 1.0)
+    value = (np.asarray(worth, dtype=float) * reach)[:, None] * accept
+    return (value >= bar).cumprod(axis=1).sum(axis=1)
+
+
 class ThresholdRule:
     """The threshold rule; threshold 0 is fixed k (every row drafts its whole limit, no confidences
-    read)."""
+    read). Every proposal of a model row brings all tree_branches - 1 leaves."""
+
+    decides_leaves = False  # leaves need no runner-up probabilities
 
     def __init__(self, limit: np.ndarray, threshold: float = 0.0, floor: float | None = None):
         self.limit = np.asarray(limit, dtype=np.int64).copy()
         self.threshold = float(threshold)
         self.floor = self.threshold if floor is None else float(floor)
         self.needs_confidence = self.threshold > 0
+        self.model_rows = np.ones(len(self.limit), dtype=bool)
 
     def begin(self, model_rows: np.ndarray) -> np.ndarray:
         """The rows that draft at step 0."""
+        self.model_rows = np.asarray(model_rows, dtype=bool)
         return self.limit > 0
+
+    def leaves(self, j: int, runner_ups, proposes: np.ndarray, most: int) -> np.ndarray:
+        """[R] leaves under step j's proposal (a lookup row's tree is its chain)."""
+        return np.where(proposes & self.model_rows, most, 0)
+
+    def check_leaves(self, leaves, runner_ups, confidence, proposed, model_rows, most: int) -> list:
+        from ..invariants import check_threshold_leaves
+        return check_threshold_leaves(leaves, proposed, model_rows, most)
 
     def step(self, j: int, confidence, active: np.ndarray):
         """(proposes, goes_on) [R] at step j from the step's confidences (host float64, or None). A row
@@ -80,12 +112,17 @@ class GoodputRule:
 
     needs_confidence = True
 
-    def __init__(self, limit, worth, calibration, forecast, bar: float, step_price: float, lookup_calibration=None):
+    decides_leaves = True  # from the runner-up probabilities of each step (module docstring)
+
+    def __init__(self, limit, worth, calibration, forecast, bar: float, step_price: float, lookup_calibration=None,
+                 leaf_calibration=None):
         self.limit = np.asarray(limit, dtype=np.int64).copy()
         self.worth, self.calibration, self.forecast = worth, calibration, forecast  # [R] each
         self.lookup_calibration = calibration if lookup_calibration is None else lookup_calibration  # [R]
+        self.leaf_calibration = calibration if leaf_calibration is None else leaf_calibration  # [R]
         self.bar, self.step_price = float(bar), float(step_price)
         self.reach = np.ones(len(self.limit))  # P(every proposal so far is accepted), per row
+        self.reach_before = self.reach  # the same before the current step: what its leaves need to be reached
         self.model_rows = np.ones(len(self.limit), dtype=bool)
 
     def _pays(self, gain: np.ndarray, going: np.ndarray) -> bool:
@@ -104,7 +141,7 @@ class GoodputRule:
 
     def step(self, j: int, confidence, active: np.ndarray):
         accept = np.minimum(self.calibration * confidence, 1.0)
-        self.reach = self.reach * accept
+        self.reach_before, self.reach = self.reach, self.reach * accept
         value = self.worth * self.reach
         proposes = active & (j < self.limit) & (value >= self.bar)
         goes_on = proposes & (j + 1 < self.limit)
@@ -114,9 +151,19 @@ class GoodputRule:
             goes_on &= ~cut
         return proposes, goes_on
 
+    def leaves(self, j: int, runner_ups, proposes: np.ndarray, most: int) -> np.ndarray:
+        """[R] leaves under step j's proposal: the leading runner-ups [R, most] (host float64) that pay."""
+        count = goodput_leaves(runner_ups[:, :most], self.reach_before, self.worth, self.leaf_calibration, self.bar)
+        return np.where(proposes & self.model_rows, count, 0)
+
     def check(self, proposed, confidence) -> list:
         from ..invariants import check_goodput_lengths
         return check_goodput_lengths(proposed, confidence, self.limit, self.worth, self.calibration, self.bar)
+
+    def check_leaves(self, leaves, runner_ups, confidence, proposed, model_rows, most: int) -> list:
+        from ..invariants import check_goodput_leaves
+        return check_goodput_leaves(leaves, runner_ups, confidence, proposed, model_rows, most, self.worth,
+                                    self.calibration, self.leaf_calibration, self.bar)
 
     def fields(self, i: int) -> dict:
         return dict(worth=float(self.worth[i]), calibration=float(self.calibration[i]), bar=self.bar)

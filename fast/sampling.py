@@ -135,6 +135,15 @@ class Chooser:
         fast.trees): the draft's next most likely tokens (Rejection overrides: independent draws)."""
         return ranked_siblings(logits, token, count)
 
+    def runner_ups(self, logits, requests, count: int, prefix=None) -> torch.Tensor:
+        """[R, count] float: the 2nd..(count + 1)-th largest probabilities of a draft step's
+        distribution (its processed one, as `confidence` is its largest): what the proposal rule
+        prices a tree's leaves by (fast.proposals). A function of the row's distribution alone,
+        never of a token drawn, so rejection sampling stays exact whatever the rule decides."""
+        logits = self.processed(logits, requests, prefix)
+        values = logits.values if isinstance(logits, SubsetLogits) else logits
+        return torch.softmax(values.float(), dim=-1).topk(count + 1, dim=-1).values[:, 1:]
+
     def tree_choices(self, logits, gather, requests, predicted):
         """[R, W]: the token the target takes after each node of a tree verify (fast.trees), from the
         flat logits [N, V]; requests [N] and predicted [N] (the content index of the token each node
@@ -201,6 +210,10 @@ class Sampled(Chooser):
     def keys(self, requests):
         """(seed, request id) used for keying: the caller's global ids (data-parallel shards)."""
         return self.seeds[requests], self.ids[requests]
+
+    def runner_ups(self, logits, requests, count: int, prefix=None) -> torch.Tensor:
+        probs = self.log_probs(full_logits(logits), requests, prefix).exp()
+        return probs.topk(count + 1, dim=-1).values[:, 1:]
 
     def log_probs(self, logits, requests, drafted=None):
         """The requests' processed log-probabilities of logits [R, V] or [R, W, V] (query j after

@@ -1,10 +1,12 @@
 """Sibling-leaf token trees in the ragged engine (tree_branches > 1; reference.trees is the specification).
 
 A row's tree is its chain of proposals (the spine: node j, 1 <= j <= p, carries d_j under node j - 1)
-plus, under each spine node j - 1 < p, b - 1 leaves: the other candidates for position c - 1 + j
-should d_j miss. In greedy and coupled mode they are the draft's next most likely tokens at that
-step; in rejection mode, further independent draws from the step's q (fast.sampling, the
-chooser's `siblings`). Spine nodes are numbered first, so a tree's first p + 1 nodes are the row's
+plus, under each spine node j - 1 < p, up to b - 1 leaves: the other candidates for position
+c - 1 + j should d_j miss. In greedy and coupled mode they are the draft's next most likely tokens
+at that step; in rejection mode, further independent draws from the step's q (fast.sampling, the
+chooser's `siblings`). How many of them a step brings is the proposal rule's (fast.proposals: the
+goodput rule takes those whose expected worth pays for their verify token, so a row's tree may be
+its chain; the threshold rule all b - 1). Spine nodes are numbered first, so a tree's first p + 1 nodes are the row's
 chain (fast.layout.VerifyLayout); the leaves follow, step by step. A lookup row (its proposals came
 from prompt lookup, fast.drafts.lookup_draft) has no draft distribution to take leaves from: its
 tree is its chain.
@@ -34,28 +36,40 @@ from .verify import greedy_tree_path
 @dataclass(frozen=True)
 class SiblingTrees:
     """One round's trees over the rows: the layout and, per node, where its token is found in the
-    round's candidate matrix [R, 1 + P * b] = (pending token, d_1..d_P, step 0's b - 1 siblings, step
-    1's, ...), P the longest proposal."""
+    round's candidate matrix [R, 1 + P * (b - 1)] = (pending token, d_1..d_P, step 0's b - 1 siblings,
+    step 1's, ...), P the longest proposal. Step j's proposal brings the leading leaves[i, j] of its
+    siblings (the proposal rule's, fast.proposals; at most b - 1), numbered after the spine, step by
+    step: leaf r of step j is node leaf_start[i, j] + r."""
 
     layout: TreeLayout
     parents: list  # per row, its nodes' parents (np arrays)
     source: np.ndarray  # [R, W] column of node j of row i in the candidate matrix (clamped past its last)
     longest: int  # P
     proposed: np.ndarray  # [R] spine nodes per row, p_i
-    branches: int  # b: candidates per spine step (the proposal and b - 1 leaves; lookup rows: 1)
+    branches: int  # b: the most candidates per spine step (the proposal and b - 1 leaves)
+    leaves: np.ndarray  # [R, P] leaves under each spine step (0 past p_i and on lookup rows)
+    leaf_start: np.ndarray  # [R, P] the node number of each step's first leaf
 
     @classmethod
-    def of(cls, proposed, lookup_rows, branches: int, content) -> "SiblingTrees":
+    def of(cls, proposed, lookup_rows, branches: int, content, leaves=None) -> "SiblingTrees":
+        """leaves [R, >= P]: per row and step (None: b - 1 under every proposal of a model row)."""
         proposed = np.asarray(proposed, dtype=np.int64)
         longest = int(proposed.max(initial=0))
-        leaves = np.where(lookup_rows, 0, proposed * (branches - 1))
-        parents = [np.concatenate([np.arange(-1, p), np.repeat(np.arange(p), branches - 1)[:count]])
-                   for p, count in zip(proposed, leaves)]
+        step = np.arange(longest)[None, :]
+        most = branches - 1 if leaves is None else np.asarray(leaves, dtype=np.int64)[:, :longest]
+        leaves = np.where((step < proposed[:, None]) & ~np.asarray(lookup_rows, dtype=bool)[:, None], most, 0)
+        before = np.cumsum(leaves, axis=1) - leaves  # leaves of the earlier steps
+        leaf_start = proposed[:, None] + 1 + before
+        parents, source = [], []
+        for p, counts in zip(proposed, leaves):
+            under = np.repeat(np.arange(longest), counts)  # each leaf's spine step, step by step
+            rank = np.arange(len(under)) - np.repeat(np.cumsum(counts) - counts, counts)  # its place among the step's
+            parents.append(np.concatenate([np.arange(-1, p), under]))
+            source.append(np.concatenate([np.arange(p + 1), 1 + longest + under * (branches - 1) + rank]))
         layout = TreeLayout.of(parents, content)
-        node = np.minimum(np.arange(layout.parent.shape[1])[None, :], layout.size[:, None] - 1)
-        spine = node <= proposed[:, None]
-        source = np.where(spine, node, 1 + longest + node - proposed[:, None] - 1)
-        return cls(layout, parents, source, longest, proposed, branches)
+        width = layout.parent.shape[1]
+        source = np.stack([np.concatenate([c, np.full(width - len(c), c[-1])]) for c in source])
+        return cls(layout, parents, source, longest, proposed, branches, leaves, leaf_start)
 
     def candidates(self, pending: torch.Tensor, drafted: torch.Tensor, siblings: torch.Tensor) -> torch.Tensor:
         """The candidate matrix from the pending tokens [R], the proposals [R, >= P] and the siblings
@@ -81,8 +95,8 @@ def verify_tree(trees: SiblingTrees, node_choice: torch.Tensor, node_tokens: tor
     return choice, accepted, spine.long().cumprod(dim=1).sum(dim=1), path
 
 
-def rejection_walk(trees: SiblingTrees, p_nodes: torch.Tensor, node_tokens: torch.Tensor, q: torch.Tensor,
-                   lookup_rows, keys, content: torch.Tensor):
+def rejection_walk(trees: SiblingTrees, p_nodes: torch.Tensor, node_tokens: torch.Tensor, q: torch.Tensor, keys,
+                   content: torch.Tensor):
     """Multi-candidate rejection sampling down each row's tree (SpecInfer's multi-step speculative
     sampling; proofs_notes/trees.md, Lemma T6): at the current spine node, with target distribution
     p' (first the node's p), each candidate child in turn, the spine child then the leaves, all
@@ -94,12 +108,13 @@ def rejection_walk(trees: SiblingTrees, p_nodes: torch.Tensor, node_tokens: torc
     Rejection.verify, draw for draw (the same keys).
 
     p_nodes [R, W, V] the target's processed distribution after each node, node_tokens [R, W], q
-    [R, >= P, V] the draft's per step, lookup_rows [R] (no leaves), keys (seeds, ids) [R], content
+    [R, >= P, V] the draft's per step, keys (seeds, ids) [R], content
     [R]. Returns verify_tree's (choice [R, P + 1], accepted [R], spine_accepted [R], path [R, P])."""
     rows, longest, dev = len(node_tokens), trees.longest, node_tokens.device
     every = torch.arange(rows, device=dev)
     proposed = torch.as_tensor(trees.proposed, device=dev)
-    leaves_at = torch.as_tensor(~np.asarray(lookup_rows, dtype=bool), device=dev)
+    leaves = torch.as_tensor(trees.leaves, device=dev)  # [R, P] (none on lookup rows)
+    leaf_start = torch.as_tensor(trees.leaf_start, device=dev)
     width = node_tokens.shape[1]
     path = torch.full((rows, longest), -1, dtype=torch.long, device=dev)
     going = torch.ones(rows, dtype=torch.bool, device=dev)
@@ -108,9 +123,8 @@ def rejection_walk(trees: SiblingTrees, p_nodes: torch.Tensor, node_tokens: torc
         testing = going & (depth < proposed)  # rows with candidates below spine node `depth`
         residual, q_step, child = p_nodes[:, depth], q[:, depth], torch.full_like(proposed, -1)
         for number in range(trees.branches):
-            node = (torch.full_like(proposed, depth + 1) if number == 0
-                    else proposed + 1 + depth * (trees.branches - 1) + number - 1)
-            undecided = testing & (child < 0) & (leaves_at if number else True)
+            node = torch.full_like(proposed, depth + 1) if number == 0 else leaf_start[:, depth] + number - 1
+            undecided = testing & (child < 0) & (number <= leaves[:, depth])
             token = node_tokens.gather(1, node.clamp(max=width - 1)[:, None])[:, 0]
             position = content + depth
             u = (rng.uniform(*keys, position, "accept") if number == 0 else

@@ -198,6 +198,50 @@ def check_goodput_lengths(proposed, confidence, limit, worth, calibration, bar: 
     return out
 
 
+def check_threshold_leaves(leaves, proposed, model_rows, most: int) -> list[Violation]:
+    """I7 for a tree's leaves under the threshold rule (fast.proposals.ThresholdRule): a model row
+    has `most` leaves under each of its proposals, a lookup row none, and no step past a row's
+    proposals has any."""
+    leaves, proposed = as_numpy(leaves).astype(int), as_numpy(proposed).astype(int)
+    model_rows = as_numpy(model_rows).astype(bool)
+    out = []
+    for i in range(len(proposed)):
+        for j in range(leaves.shape[1]):
+            want = most if model_rows[i] and j < proposed[i] else 0
+            if leaves[i, j] != want:
+                out.append(Violation("I7", "leaf count is not the threshold rule's (all of them under each "
+                                           "proposal of a model row)", row=i, index=j, expected=want,
+                                     actual=int(leaves[i, j])))
+    return out
+
+
+def check_goodput_leaves(leaves, runner_ups, confidence, proposed, model_rows, most: int, worth, calibration,
+                         leaf_calibration, bar: float) -> list[Violation]:
+    """I7 for a tree's leaves under the goodput rule (fast.proposals.GoodputRule): under row i's
+    proposal at step j < p_i, the leading r < most for which worth_i * prod_{j' < j}
+    min(calibration_i * confidence_ij', 1) * min(leaf_calibration_i * runner_up_ijr, 1) >= bar;
+    none on a lookup row or past the row's proposals."""
+    leaves, proposed = as_numpy(leaves).astype(int), as_numpy(proposed).astype(int)
+    runner_ups = as_numpy(runner_ups).astype(float)
+    confidence = as_numpy(confidence).astype(float).reshape(len(proposed), -1)
+    model_rows = as_numpy(model_rows).astype(bool)
+    out = []
+    for i in range(len(proposed)):
+        reach = 1.0
+        for j in range(leaves.shape[1]):
+            want = 0
+            if model_rows[i] and j < proposed[i]:
+                while want < most and float(worth[i]) * reach * min(
+                        float(leaf_calibration[i]) * runner_ups[i, j, want], 1.0) >= bar:
+                    want += 1
+                reach *= min(float(calibration[i]) * confidence[i, j], 1.0)
+            if leaves[i, j] != want:
+                out.append(Violation("I7", "leaf count is not the goodput rule's (own runner-up probabilities, "
+                                           "reach, worth, leaf calibration; the round's bar)",
+                                     row=i, index=j, expected=want, actual=int(leaves[i, j])))
+    return out
+
+
 def check_round_commit(drafted, choice, limit, accepted, committed, remaining, eos_ids,
                        stopped=None) -> list[Violation]:
     """I5 and I6 for one greedy round, row by row.

@@ -261,15 +261,19 @@ def sibling_tokens(logits: np.ndarray, drafted: np.ndarray, count: int) -> np.nd
     return out
 
 
-def sibling_tree(root: int, drafted, siblings) -> Tree:
+def sibling_tree(root: int, drafted, siblings, leaves=None) -> Tree:
     """A row's tree for a round: its proposals as the spine (d_j under node j - 1), then the draft's
     siblings [p, b - 1] of each proposal as leaves under the proposal's parent, step by step (the
-    torch engine's numbering, fast.trees)."""
+    torch engine's numbering, fast.trees); leaves [p]: how many of each step's siblings, the first
+    ones (None: all)."""
     drafted, siblings = np.asarray(drafted, dtype=np.int64), np.asarray(siblings, dtype=np.int64)
     p, count = len(drafted), siblings.shape[1] if siblings.ndim == 2 else 0
-    tokens = np.concatenate([[root], drafted, siblings[:p].reshape(-1)])
-    parent = np.concatenate([np.arange(-1, p), np.repeat(np.arange(p), count)])
-    return Tree(tokens, parent)
+    leaves = [count] * p if leaves is None else [int(n) for n in leaves[:p]]
+    tokens, parent = [root] + drafted.tolist(), list(range(-1, p))
+    for step in range(p):
+        tokens += siblings[step, :leaves[step]].tolist()
+        parent += [step] * leaves[step]
+    return Tree(np.array(tokens), np.array(parent))
 
 
 def ragged_tree_round(state: RaggedState, caches, rows, target: ToyLM, draft: ToyLM, opt, drafted, proposed,

@@ -196,6 +196,78 @@ def test_sibling_trees_number_the_spine_first_and_give_lookup_rows_none():
     assert trees.layout.position[:7].tolist() == [4, 5, 6, 5, 5, 6, 6]
 
 
+@given(st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.lists(st.integers(0, 2), min_size=4, max_size=4)),
+                min_size=1, max_size=5))
+@settings(max_examples=examples(40), deadline=None)
+def test_sibling_trees_with_the_rules_leaves_are_the_references_trees(rows):
+    """Whatever leaves per step the proposal rule chose, the engine's trees (parents, and tokens
+    through the candidate matrix) are reference.trees.sibling_tree's, and a lookup row's is its chain."""
+    from specbatch.reference.trees import sibling_tree
+    proposed = np.array([p for p, _, _ in rows])
+    lookup = np.array([lk for _, lk, _ in rows])
+    leaves = np.array([c for _, _, c in rows])
+    trees = SiblingTrees.of(proposed, lookup, 3, np.full(len(rows), 9), leaves)
+    pending = torch.arange(len(rows)) + 100
+    drafted = torch.arange(len(rows) * 4).reshape(-1, 4) + 200
+    siblings = torch.arange(len(rows) * 8).reshape(-1, 4, 2) + 300
+    tokens = trees.candidates(pending, drafted, siblings).gather(1, torch.as_tensor(trees.source))
+    for i in range(len(rows)):
+        want = sibling_tree(int(pending[i]), drafted[i, :proposed[i]], siblings[i, :proposed[i]],
+                            np.zeros(4, dtype=int) if lookup[i] else leaves[i])
+        assert trees.parents[i].tolist() == want.parent.tolist()
+        assert tokens[i, :want.size].tolist() == want.tokens.tolist()
+
+
+def goodput_at_set_prices(monkeypatch, bar: float) -> list:
+    """The goodput policy with set numbers (calibrations and worth 1, the given bar, no step price)
+    in place of measured ones, so that its leaves vary with the draft's runner-up probabilities;
+    returns the list each step's leaf counts are appended to."""
+    from specbatch.fast.policy import Goodput
+    from specbatch.fast.proposals import GoodputRule
+    ones = lambda info: np.ones(len(info.clamp))  # noqa: E731
+    monkeypatch.setattr(Goodput, "plan", lambda self, info: GoodputRule(info.clamp, ones(info), ones(info),
+                                                                        ones(info), bar, 0.0))
+    seen, real = [], GoodputRule.leaves
+
+    def leaves(self, j, runner_ups, proposes, most):
+        count = real(self, j, runner_ups, proposes, most)
+        seen.append(count[proposes])
+        return count
+    monkeypatch.setattr(GoodputRule, "leaves", leaves)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
+def test_goodput_trees_choose_each_steps_leaves_and_stay_exact(monkeypatch, mode):
+    """Under the goodput policy (greedy's and coupled's default) each step's leaves are the rule's (checked live, I7):
+    chains and trees of both widths run in one batch, and greedy and coupled outputs stay target-only's."""
+    seen = goodput_at_set_prices(monkeypatch, bar=0.05)
+    target = tiny("llama", initializer_range=0.5)  # peaked distributions: runner-ups of 0.03-0.2
+    sampled = {} if mode == "greedy" else dict(temperature=0.9, sampling=mode, seed=4)
+    result = specbatch.generate(target, second_guess(target), PROMPTS, max_new_tokens=BUDGETS, num_draft_tokens=3,
+                                batch_size=4, tree_branches=3, eos_token_id=[EOS], check_invariants=True,
+                                policy="goodput", **sampled)
+    assert {0, 1, 2} <= set(np.concatenate(seen).tolist())
+    alone = specbatch.generate(target, None, PROMPTS, max_new_tokens=BUDGETS, batch_size=2, eos_token_id=[EOS],
+                               **sampled)
+    if mode != "rejection":
+        assert result.sequences == alone.sequences
+
+
+def test_a_leaf_count_that_is_not_the_rules_is_caught(monkeypatch):
+    """One more leaf than the goodput rule pays for: the live I7 check names it."""
+    from specbatch.fast.proposals import GoodputRule
+    from specbatch.invariants import InvariantError
+    goodput_at_set_prices(monkeypatch, bar=0.05)  # leaves that do not pay: one more is a wrong count
+    real = GoodputRule.leaves
+    monkeypatch.setattr(GoodputRule, "leaves", lambda self, j, r, proposes, most: np.minimum(
+        real(self, j, r, proposes, most) + proposes, most))
+    target = tiny("llama", initializer_range=0.5)
+    with pytest.raises(InvariantError, match="leaf count"):
+        specbatch.generate(target, second_guess(target), PROMPTS, max_new_tokens=BUDGETS, num_draft_tokens=3,
+                           batch_size=4, tree_branches=3, check_invariants=True)
+
+
 @pytest.mark.parametrize("bad, why", [
     (dict(strategy="eqspec"), "needs a strategy that verifies trees"),
     (dict(repetition_penalty=1.3), "penalties"),

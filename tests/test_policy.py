@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from specbatch.fast.costs import History, LinearCost
 from specbatch.fast.policy import (FixedK, Goodput, PolicySettings, RoundInfo, RoundOutcome, Threshold, best_ratio,
                                    make_policy)
-from specbatch.fast.proposals import GoodputRule, goodput_lengths
-from specbatch.invariants import check_goodput_lengths
+from specbatch.fast.proposals import GoodputRule, ThresholdRule, goodput_lengths
+from specbatch.invariants import check_goodput_leaves, check_goodput_lengths, check_threshold_leaves
 
 probability = st.floats(0, 1)
 
@@ -224,21 +224,119 @@ def test_linear_cost_never_prices_below_zero():
     assert falling.slope() == 0.0 and falling(100) == pytest.approx(0.03) and falling(0) == pytest.approx(0.03)
 
 
-def test_a_tree_proposal_is_priced_at_the_verify_tokens_it_brings():
-    """With tree_branches b a proposal brings b verify tokens (itself and its leaves): the bar a
-    proposal must pay rises with b, and rows that draft 4 deep on a chain draft less deep on a
-    wide tree when verify tokens are dear."""
-    rows = 4
-    policy = measured_policy(0.004, rows)
-    bars = {b: policy.plan(RoundInfo(np.arange(rows), np.full(rows, 4), None, waiting=True, branches=b)).bar
-            for b in (1, 3)}
-    assert bars[3] > 2 * bars[1]
+def grow_tree(rule, confidence, runner_ups, model_rows=None):
+    """Apply a rule step by step as engine.draft_round does: (proposed [R], leaves [R, S])."""
+    rows, steps = confidence.shape
+    model_rows = np.ones(rows, dtype=bool) if model_rows is None else np.asarray(model_rows)
+    active, proposed, leaves = rule.begin(model_rows), np.zeros(rows, dtype=np.int64), []
+    for j in range(steps):
+        proposes, active = rule.step(j, confidence[:, j], active)
+        proposed += proposes
+        leaves.append(rule.leaves(j, runner_ups[:, j], proposes, runner_ups.shape[2]))
+    return proposed, np.stack(leaves, axis=1)
 
-    def proposed(branches):
-        rule = policy.plan(RoundInfo(np.arange(rows), np.full(rows, 4), None, waiting=True, branches=branches))
-        active, count = rule.begin(np.ones(rows, dtype=bool)), np.zeros(rows, dtype=np.int64)
-        for j in range(4):
-            proposes, active = rule.step(j, np.full(rows, 0.8), active)
-            count += proposes
-        return count
-    assert (proposed(8) < proposed(1)).all()
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.floats(0.05, 1), st.floats(0.2, 3), st.floats(0, 0.8), st.data())
+def test_the_goodput_leaves_three_ways(rows, most, worth, leaf_calibration, bar, data):
+    """Leaf by leaf as the engine applies the rule, in the checker, and from the rule's statement:
+    under each proposal, the leading runner-ups whose expected worth (reach before the step times
+    the leaf's own acceptance) pays for one verify token; none on a lookup row or past the proposals."""
+    confidence = np.array(data.draw(st.lists(st.lists(probability, min_size=3, max_size=3), min_size=rows,
+                                             max_size=rows)))
+    runner_ups = -np.sort(-np.array(data.draw(st.lists(st.lists(st.lists(st.floats(0, 0.5), min_size=most,
+                                                                         max_size=most), min_size=3, max_size=3),
+                                                       min_size=rows, max_size=rows))), axis=2)
+    model_rows = np.array(data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows)))
+    limit, worths, calibration = np.full(rows, 3), np.full(rows, worth), np.full(rows, 1.2)
+    leaf_cal = np.full(rows, leaf_calibration)
+    rule = GoodputRule(limit, worths, calibration, np.full(rows, 0.5), bar, 0.0, calibration, leaf_cal)
+    proposed, leaves = grow_tree(rule, confidence, runner_ups, model_rows)
+    assert check_goodput_leaves(leaves, runner_ups, confidence, proposed, model_rows, most, worths, calibration,
+                                leaf_cal, bar) == []
+    for i in range(rows):
+        for j in range(3):
+            reach = worth * np.prod(np.minimum(1.2 * confidence[i, :j], 1.0))
+            value = reach * np.minimum(leaf_calibration * runner_ups[i, j], 1.0)
+            want = int(np.cumprod(value >= bar).sum()) if model_rows[i] and j < proposed[i] else 0
+            assert leaves[i, j] == want
+
+
+def test_the_leaf_checkers_name_a_wrong_count():
+    confidence, runner_ups = np.array([[0.9, 0.9]]), np.array([[[0.3, 0.05], [0.3, 0.05]]])
+    rule = GoodputRule(np.array([2]), np.ones(1), np.ones(1), np.ones(1), 0.2, 0.0)
+    proposed, leaves = grow_tree(rule, confidence, runner_ups)
+    assert proposed.tolist() == [2] and leaves.tolist() == [[1, 1]]  # 0.3 and 0.9 * 0.3 pay at 0.2; 0.05 does not
+    args = (runner_ups, confidence, proposed, np.ones(1, dtype=bool), 2, np.ones(1), np.ones(1), np.ones(1), 0.2)
+    assert check_goodput_leaves(leaves, *args) == []
+    bad = check_goodput_leaves(np.array([[1, 2]]), *args)
+    assert [(v.row, v.index, v.expected, v.actual) for v in bad] == [(0, 1, 1, 2)]
+    # the leaves of step 1 are reached only if step 0's proposal is accepted: priced by that reach
+    shallow = GoodputRule(np.array([2]), np.ones(1), np.ones(1), np.ones(1), 0.25, 0.0)
+    assert grow_tree(shallow, np.array([[0.8, 0.9]]), runner_ups)[1].tolist() == [[1, 0]]
+    threshold = ThresholdRule(np.array([2, 2]))
+    proposed, leaves = grow_tree(threshold, np.ones((2, 2)), np.zeros((2, 2, 2)), [True, False])
+    assert leaves.tolist() == [[2, 2], [0, 0]]  # every leaf of a model row; a lookup row's tree is its chain
+    assert check_threshold_leaves(leaves, proposed, [True, False], 2) == []
+    assert [v.row for v in check_threshold_leaves(leaves[::-1], proposed, [True, False], 2)] == [0, 0, 1, 1]
+
+
+def test_a_leaf_is_priced_at_one_verify_token_so_dear_tokens_make_chains():
+    """The same policy gives wide trees where verify tokens are cheap and chains where they are dear
+    (no tree shape is fixed): a leaf pays like a proposal, by its expected worth against the bar."""
+    rows = 4
+    runner_ups = np.tile([0.2, 0.1], (rows, 4, 1))
+
+    def tree(token_seconds):
+        rule = measured_policy(token_seconds, rows).plan(RoundInfo(np.arange(rows), np.full(rows, 4), None))
+        return grow_tree(rule, np.full((rows, 4), 0.8), runner_ups)
+    cheap, dear = tree(0.0001), tree(0.01)
+    assert (cheap[1][:, 0] == 2).all() and (cheap[1].sum(axis=1) > dear[1].sum(axis=1)).all()
+    assert (dear[0] > 0).all() and (dear[1] == 0).all()  # proposals still pay; no leaf does: a chain
+
+
+def test_the_leaf_calibration_learns_from_the_leaves_reached():
+    """Accepted leaves per unit of their runner-up probability, pooled over the batch: leaves accepted
+    twice as often as their probability say raise it, leaves never accepted lower it."""
+    def calibration(accepted):
+        policy = Goodput(4)
+        for _ in range(20):
+            policy.record(RoundOutcome(np.arange(2), np.array([2, 2]), np.array([1, 1]), np.full((2, 2), 0.8), 2,
+                                       0.01, 6, 0.05, None, leaf_confidence=1.0, leaves_accepted=accepted))
+        return policy.leaf_calibration(3)
+    high, low = calibration(2.0), calibration(0.0)
+    assert high.shape == (3,) and high[0] == pytest.approx(2.0, rel=0.1) and low[0] < 0.1
+    # no leaf evidence yet: the batch's calibration of proposals (1 before any evidence)
+    assert Goodput(4).leaf_calibration(2).tolist() == [1.0, 1.0]
+
+
+def test_a_tree_rounds_leaf_outcome_counts_the_leaves_under_reached_nodes():
+    """Leaves under the root and the accepted spine nodes were reached; a path that leaves the spine
+    accepted one."""
+    from specbatch.fast.engine import Proposals, leaf_outcome
+    leaves = np.array([[2, 1, 1], [1, 0, 0]])
+    runner_ups = np.array([[[0.3, 0.2], [0.1, 0.05], [0.4, 0.0]], [[0.5, 0.1], [0.2, 0.1], [0.3, 0.1]]])
+    proposals = Proposals(None, None, None, np.array([3, 1]), None, 3, 3, np.zeros(2, dtype=bool), None, None,
+                          leaves, runner_ups)
+    # row 0: spine accepted 1, then a leaf (path 2); row 1: nothing accepted
+    confidence, accepted = leaf_outcome(proposals, np.array([2, 0]), np.array([1, 0]))
+    assert confidence == pytest.approx(0.3 + 0.2 + 0.1 + 0.5) and accepted == 1.0
+
+
+def test_a_tree_round_teaches_the_policy_its_spine_and_its_leaves_apart():
+    """A tree round whose path left the spine after one proposal and accepted a leaf: the row's
+    proposal history counts one accepted proposal (not the path's two nodes) and the leaf history
+    one accepted leaf."""
+    import torch
+    from types import SimpleNamespace
+    from specbatch.fast.engine import Proposals, Settings, record_round
+    policy = Goodput(4)
+    settings = Settings(k=3, eos_ids=(), window=None, dtype=torch.float32, device=torch.device("cpu"), fill=-1e9,
+                        policy=policy, tree_branches=3)
+    clock = SimpleNamespace(last=dict(time_draft=0.01, time_verify=0.02), agree=lambda *s: s)
+    proposals = Proposals(None, None, None, np.array([3]), None, 3, 3, np.zeros(1, dtype=bool),
+                          np.full((1, 3), 0.7), None, np.array([[2, 2, 0]]), np.array([[[0.2, 0.1]] * 3]))
+    record_round(settings, clock, np.array([5]), proposals, np.array([2]), 10, np.array([1]))
+    row = policy.rows[(5, False)]
+    assert row.accepted == 1.0 and row.reached == 2.0
+    assert policy.leaves.accepted == 1.0 and policy.leaves.confidence == pytest.approx(0.6)

@@ -281,6 +281,24 @@ def test_rejection_over_a_tree_has_the_target_joint_distribution(branches):
     assert chi_square(counts, expected_joint()) < CHI2_CRITICAL_DF26_ALPHA_0001
 
 
+def test_rejection_over_trees_whose_leaves_the_rule_chose_has_the_target_joint_distribution(monkeypatch):
+    """Under the goodput rule each step brings its own number of leaves (fast.proposals); whatever
+    the rule decides from the runner-up probabilities, the walk tests exactly the leaves in the tree.
+    Here the rule is replaced by one that gives 0, 1 or 2 leaves by those probabilities."""
+    from specbatch.fast import proposals
+    counts_seen = []
+
+    def by_probability(runner_ups, reach, worth, calibration, bar):
+        count = np.where(runner_ups[:, 0] >= 0.3, 0, (runner_ups >= 0.2).sum(axis=1))
+        counts_seen.append(count)
+        return count
+    monkeypatch.setattr(proposals, "goodput_leaves", by_probability)
+    counts, result = sample_joint(tree_branches=3, policy="goodput")
+    seen = np.concatenate(counts_seen)
+    assert {0, 1, 2} <= set(seen.tolist())  # chains, and trees of both widths, in one run
+    assert chi_square(counts, expected_joint()) < CHI2_CRITICAL_DF26_ALPHA_0001
+
+
 @pytest.mark.parametrize("mutant", ["ranked-leaves", "residual-not-updated"])
 def test_chi_square_rejects_broken_tree_samplers(monkeypatch, mutant):
     """Leaves that are the draft's next most likely tokens tested as if drawn from q, or a residual
@@ -316,8 +334,7 @@ def test_a_rejection_tree_with_one_candidate_per_node_is_the_chain_draw_for_draw
         trees = SiblingTrees.of(proposed, np.zeros(4, dtype=bool), 1, content.numpy())
         nodes = torch.cat([torch.zeros(4, 1, dtype=torch.long), drafted], dim=1)[:, :trees.layout.parent.shape[1]]
         p_nodes = p[:, :nodes.shape[1]]
-        got, got_accepted, spine, _ = rejection_walk(trees, p_nodes, nodes, q, np.zeros(4, dtype=bool),
-                                                     chooser.keys(torch.arange(4)), content)
+        got, got_accepted, spine, _ = rejection_walk(trees, p_nodes, nodes, q, chooser.keys(torch.arange(4)), content)
         assert got_accepted.tolist() == accepted.tolist() == spine.tolist()
         for i in range(4):
             assert got[i, :accepted[i] + 1].tolist() == choice[i, :accepted[i] + 1].tolist()

@@ -140,7 +140,8 @@ class RaggedEngine:
             proposals = self.propose(rows, content, remaining)
         with self.clock("time_verify"):
             verdict = self.verify(rows, content, remaining, proposals)
-        record_round(s, self.clock, self.request[rows], proposals, verdict.accepted, verdict.verified)
+        record_round(s, self.clock, self.request[rows], proposals, verdict.accepted, verdict.verified,
+                     verdict.draft_accepted)
         with self.clock("time_align"):
             self.commit(rows, content, remaining, proposals, verdict, round_index, on_done)
         self.stats.add_round(proposals.proposed, verdict.accepted, verdict.n, verdict.nodes)
@@ -198,7 +199,7 @@ class RaggedEngine:
         queries, verified, tree) with the path's K/V already in the row's content slots (I3)."""
         s = self.settings
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
-        trees = SiblingTrees.of(proposals.proposed, proposals.lookup_rows, s.tree_branches, content)
+        trees = SiblingTrees.of(proposals.proposed, proposals.lookup_rows, s.tree_branches, content, proposals.leaves)
         layout = trees.layout
         candidates = trees.candidates(last, proposals.drafted, proposals.siblings)  # [R, 1 + P * b]
         node_tokens = candidates.gather(1, dev(trees.source))  # [R, W]
@@ -213,8 +214,7 @@ class RaggedEngine:
             p_nodes = s.chooser.log_probs(logits, node_requests).exp()[dev(layout.gather)]  # [R, W, V]
             node_choice = None
             choice, accepted, spine, path = rejection_walk(trees, p_nodes, node_tokens, proposals.q,
-                                                           proposals.lookup_rows, s.chooser.keys(dev(self.request[rows])),
-                                                           dev(content))
+                                                           s.chooser.keys(dev(self.request[rows])), dev(content))
         else:  # greedy, coupled: the target's choice after every node, and the walk along it
             node_choice = s.chooser.tree_choices(logits, dev(layout.gather), node_requests, pos[0] + 1)  # [R, W]
             choice, accepted, spine, path = verify_tree(trees, node_choice, node_tokens)
