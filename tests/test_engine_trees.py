@@ -186,6 +186,18 @@ def test_siblings_are_the_next_most_likely_tokens_without_the_proposal():
     assert ranked_siblings(logits, torch.tensor([4, 4]), 2).tolist() == [[1, 3], [0, 3]]  # not in the top
 
 
+def test_runner_ups_are_the_draft_distributions_second_and_later_probabilities():
+    """What the goodput rule prices leaves by: the 2nd, 3rd, ... largest probabilities, the mode left
+    out, of the distribution each mode drafts from (at temperature 1, the softmax)."""
+    from specbatch.fast.sampling import Coupled, Greedy, Rejection
+    probs = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.05, 0.15, 0.2, 0.6]], dtype=torch.float64)
+    requests, seeds = torch.arange(2), torch.tensor([1, 2])
+    want = [[0.3, 0.1], [0.2, 0.15]]
+    for chooser in (Greedy(), Coupled(1.0, None, None, seeds), Rejection(1.0, None, None, seeds)):
+        got = chooser.runner_ups(probs.log(), requests, 2)
+        assert np.allclose(got.numpy(), want, atol=1e-6), type(chooser).__name__
+
+
 def test_sibling_trees_number_the_spine_first_and_give_lookup_rows_none():
     trees = SiblingTrees.of(proposed=[2, 0, 2], lookup_rows=np.array([False, False, True]), branches=3,
                             content=[5, 3, 8])

@@ -299,6 +299,26 @@ def test_rejection_over_trees_whose_leaves_the_rule_chose_has_the_target_joint_d
     assert chi_square(counts, expected_joint()) < CHI2_CRITICAL_DF26_ALPHA_0001
 
 
+def test_the_rejection_walk_tests_only_the_leaves_a_step_has():
+    """Step 0 brought no leaf and step 1 two (the rule's counts): at the root only the spine child
+    is a candidate. It is rejected for sure (p gives it nothing), so the row commits a residual draw
+    and no path, even though step 1's leaves carry the very token the target wants there."""
+    from specbatch.fast.trees import SiblingTrees, rejection_walk
+    chooser = sampling.Rejection(1.0, None, None, torch.tensor([3]))
+    trees = SiblingTrees.of([2], np.zeros(1, dtype=bool), 3, np.array([10]), np.array([[0, 2]]))
+    assert trees.parents[0].tolist() == [-1, 0, 1, 1, 1]
+    wanted = 2
+    nodes = torch.tensor([[0, 1, 0, wanted, 0]])  # root, d_1 = 1, d_2, then step 1's leaves
+    p_nodes = torch.full((1, 5, 3), 1 / 3, dtype=torch.float64)
+    p_nodes[0, 0] = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)  # after the root: surely `wanted`
+    q = torch.full((1, 2, 3), 1 / 3, dtype=torch.float64)
+    for seed in range(20):
+        chooser.seeds = torch.tensor([seed])
+        choice, accepted, spine, path = rejection_walk(trees, p_nodes, nodes, q, chooser.keys(torch.arange(1)),
+                                                       torch.tensor([10]))
+        assert accepted.tolist() == [0] and path.tolist() == [[-1, -1]] and choice[0, 0].item() == wanted
+
+
 @pytest.mark.parametrize("mutant", ["ranked-leaves", "residual-not-updated"])
 def test_chi_square_rejects_broken_tree_samplers(monkeypatch, mutant):
     """Leaves that are the draft's next most likely tokens tested as if drawn from q, or a residual
