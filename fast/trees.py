@@ -6,8 +6,8 @@ c - 1 + j should d_j miss. In greedy and coupled mode they are the draft's next 
 at that step; in rejection mode, further independent draws from the step's q (fast.sampling, the
 chooser's `siblings`). How many of them a step brings is the proposal rule's (fast.proposals: the
 goodput rule takes those whose expected worth pays for their verify token, so a row's tree may be
-its chain; the threshold rule all b - 1). Spine nodes are numbered first, so a tree's first p + 1 nodes are the row's
-chain (fast.layout.VerifyLayout); the leaves follow, step by step. A lookup row (its proposals came
+its chain; the threshold rule all b - 1). Spine nodes are numbered first, so a tree's first p + 1
+nodes are the row's chain (fast.layout.VerifyLayout); the leaves follow, step by step. A lookup row (its proposals came
 from prompt lookup, fast.drafts.lookup_draft) has no draft distribution to take leaves from: its
 tree is its chain.
 
@@ -36,7 +36,7 @@ from .verify import greedy_tree_path
 @dataclass(frozen=True)
 class SiblingTrees:
     """One round's trees over the rows: the layout and, per node, where its token is found in the
-    round's candidate matrix [R, 1 + P * (b - 1)] = (pending token, d_1..d_P, step 0's b - 1 siblings,
+    round's candidate matrix [R, 1 + P * b] = (pending token, d_1..d_P, step 0's b - 1 siblings,
     step 1's, ...), P the longest proposal. Step j's proposal brings the leading leaves[i, j] of its
     siblings (the proposal rule's, fast.proposals; at most b - 1), numbered after the spine, step by
     step: leaf r of step j is node leaf_start[i, j] + r."""
