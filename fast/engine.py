@@ -208,15 +208,11 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     waiting (whether requests wait for a slot) tell the policy what a token is worth.
 
     lookup_step(step, ids) -> fast.drafts.lookup_draft.LookupStep, for a lookup-first draft
-    (fast.drafts.lookup_draft.LookupFirstDraft): its prompt lookup over each row's content and proposals so
-    far (a proposal where an n-gram of at least its min_match tokens matched). A row whose lookup
-    matches at step 0 is a lookup row: it drafts this round by lookup alone and stops where the
-    chain of matches breaks (a function of its own content, like any draft). The model then runs
-    only while some other row still drafts; a round of lookup rows alone runs no model at all, and
-    the model's cache catches up on the next round that runs it (its pending tokens). Where the
-    lookup matches in a model row's later step, the lookup's token is that row's proposal too: the
-    lookup-first draft's own rule, so the engine runs that draft with engine_lookup=True (one lookup
-    a step)."""
+    (fast.proposer.LookupFirst): its prompt lookup over each row's content and proposals so far. A row
+    whose lookup matches at step 0 drafts this round by lookup alone, until the chain of matches
+    breaks (a function of its own content, like any draft); the model runs only while another row
+    drafts, and its cache catches up through its pending tokens. In a model row's later steps a
+    match's token is the proposal (the lookup-first draft's own rule, run here: engine_lookup=True)."""
     clamp = np.asarray(clamp, dtype=np.int64)
     rows = len(clamp)
     rule = _round_rule(settings, clamp, requests, remaining, waiting)
@@ -238,18 +234,15 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             model_steps = step + 1
             token, dist, confidence = _choose_drafts(settings, logits, requests, content + step, found, lookup_rows,
                                                      steps, device)
-            if branches > 1:  # leaves of the row's tree (lookup rows have none)
-                siblings.append(settings.chooser.siblings(logits, dist, token, requests, content + step, most))
-                if rule.decides_leaves:  # one small host copy per step: what the leaves are priced by
-                    runner_ups.append(settings.chooser.runner_ups(logits, requests, most).double().cpu().numpy())
         elif found is not None:  # lookup rows alone: no model, and greedy builds no [R, V] logits
+            logits = None
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
-            if branches > 1:  # never read: every row drafting at this step is a lookup row, which has no leaves
-                siblings.append(token[:, None].expand(-1, most))
-                if rule.decides_leaves:
-                    runner_ups.append(np.zeros((rows, most)))
         else:
             break  # no row may draft this round
+        if branches > 1:
+            candidates = _leaf_candidates(settings, rule, logits, dist, token, requests, content + step)
+            siblings.append(candidates[0])
+            runner_ups.append(candidates[1])
         ids = token[:, None]
         steps.append(ids)
         dists.append(dist)
@@ -261,13 +254,27 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         proposes, active = rule.step(step, seen, active)
         proposed += proposes
         if branches > 1:
-            leaves.append(rule.leaves(step, runner_ups[-1] if runner_ups else None, proposes, most))
+            leaves.append(rule.leaves(step, runner_ups[-1], proposes, most))
         if not active.any():
             break
     q = _stacked(dists) if settings.chooser.needs_q else None
     return Proposals(_so_far(steps, rows, device), q, _stacked(confidences), proposed, rule, len(steps), model_steps,
                      lookup_rows, np.stack(host, axis=1) if host else None, _stacked(siblings),
-                     np.stack(leaves, axis=1) if leaves else None, np.stack(runner_ups, axis=1) if runner_ups else None)
+                     np.stack(leaves, axis=1) if leaves else None,
+                     np.stack(runner_ups, axis=1) if leaves and rule.decides_leaves else None)
+
+
+def _leaf_candidates(settings: Settings, rule, logits, dist, token, requests, positions):
+    """One step's tree leaves (fast.trees): the siblings [R, b - 1] beside each proposal and, where the
+    rule prices them (the goodput rule), the runner-up probabilities [R, b - 1] (one small host copy).
+    logits None: a step of lookup rows alone, whose leaves are never read (a lookup row has none)."""
+    most = settings.tree_branches - 1
+    if logits is None:
+        return token[:, None].expand(-1, most), np.zeros((len(token), most)) if rule.decides_leaves else None
+    siblings = settings.chooser.siblings(logits, dist, token, requests, positions, most)
+    if not rule.decides_leaves:
+        return siblings, None
+    return siblings, settings.chooser.runner_ups(logits, requests, most).double().cpu().numpy()
 
 
 def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, waiting: bool):
