@@ -182,6 +182,7 @@ class Proposals:
     siblings: torch.Tensor | None = None  # [R, steps, b - 1] each step's other candidates, a tree's leaves (fast.trees)
     leaves: np.ndarray | None = None  # [R, steps] the leading siblings of each step the rule put in the tree
     runner_ups: np.ndarray | None = None  # [R, steps, b - 1] host: what the rule priced the leaves by (or None)
+    available: np.ndarray | None = None  # [R, steps] the siblings each step could offer (the rule's most)
 
     @property
     def limit(self) -> np.ndarray:
@@ -216,9 +217,8 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     clamp = np.asarray(clamp, dtype=np.int64)
     rows = len(clamp)
     rule = _round_rule(settings, clamp, requests, remaining, waiting)
-    steps, dists, confidences, host, siblings, leaves, runner_ups = [], [], [], [], [], [], []
+    steps, dists, confidences, host, siblings, leaves, runner_ups, available = [], [], [], [], [], [], [], []
     branches = settings.tree_branches
-    most = branches - 1  # leaves a step may bring
     active, proposed = rule.limit > 0, np.zeros(rows, dtype=np.int64)
     ids, lookup_rows, model_steps = None, np.zeros(rows, dtype=bool), 0
     for step in range(int(rule.limit.max(initial=0))):
@@ -240,9 +240,10 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         else:
             break  # no row may draft this round
         if branches > 1:
-            candidates = _leaf_candidates(settings, rule, logits, dist, token, requests, content + step)
-            siblings.append(candidates[0])
-            runner_ups.append(candidates[1])
+            candidates = _leaf_candidates(settings, rule, logits, dist, token, requests, content + step, found,
+                                          lookup_rows)
+            for kept, candidate in zip((siblings, runner_ups, available), candidates):
+                kept.append(candidate)
         ids = token[:, None]
         steps.append(ids)
         dists.append(dist)
@@ -254,27 +255,39 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         proposes, active = rule.step(step, seen, active)
         proposed += proposes
         if branches > 1:
-            leaves.append(rule.leaves(step, runner_ups[-1], proposes, most))
+            leaves.append(rule.leaves(step, runner_ups[-1], proposes, available[-1]))
         if not active.any():
             break
     q = _stacked(dists) if settings.chooser.needs_q else None
     return Proposals(_so_far(steps, rows, device), q, _stacked(confidences), proposed, rule, len(steps), model_steps,
                      lookup_rows, np.stack(host, axis=1) if host else None, _stacked(siblings),
                      np.stack(leaves, axis=1) if leaves else None,
-                     np.stack(runner_ups, axis=1) if leaves and rule.decides_leaves else None)
+                     np.stack(runner_ups, axis=1) if leaves and rule.decides_leaves else None,
+                     np.stack(available, axis=1) if leaves else None)
 
 
-def _leaf_candidates(settings: Settings, rule, logits, dist, token, requests, positions):
-    """One step's tree leaves (fast.trees): the siblings [R, b - 1] beside each proposal and, where the
-    rule prices them (the goodput rule), the runner-up probabilities [R, b - 1] (one small host copy).
-    logits None: a step of lookup rows alone, whose leaves are never read (a lookup row has none)."""
+def _leaf_candidates(settings: Settings, rule, logits, dist, token, requests, positions, found, lookup_rows):
+    """One step's tree leaves (fast.trees): (siblings [R, b - 1] beside each proposal, the runner-up
+    probabilities [R, b - 1] where the rule prices them (the goodput rule), available [R]: how many
+    of the siblings are real candidates), the last two on the host (small copies). A model row's
+    siblings are the chooser's, all b - 1 of them; a lookup row's are its lookup's other followers
+    (fast.drafts.lookup_draft.other_followers), priced by their shares, where the step brings them
+    (found.others: greedy and coupled), and none elsewhere. logits None: a step of lookup rows alone."""
     most = settings.tree_branches - 1
     if logits is None:
-        return token[:, None].expand(-1, most), np.zeros((len(token), most)) if rule.decides_leaves else None
-    siblings = settings.chooser.siblings(logits, dist, token, requests, positions, most)
-    if not rule.decides_leaves:
-        return siblings, None
-    return siblings, settings.chooser.runner_ups(logits, requests, most).double().cpu().numpy()
+        siblings, runner_ups = token[:, None].expand(-1, most), np.zeros((len(token), most))
+    else:
+        siblings = settings.chooser.siblings(logits, dist, token, requests, positions, most)
+        runner_ups = settings.chooser.runner_ups(logits, requests, most).double().cpu().numpy() \
+            if rule.decides_leaves else None
+    available = np.where(lookup_rows, 0, most)
+    if found is not None and found.others is not None and lookup_rows.any():
+        shares = found.shares.double().cpu().numpy()
+        siblings = torch.where(torch.as_tensor(lookup_rows, device=token.device)[:, None], found.others, siblings)
+        available = np.where(lookup_rows, (shares > 0).sum(axis=1), most)
+        if runner_ups is not None:
+            runner_ups = np.where(lookup_rows[:, None], shares, runner_ups)
+    return siblings, runner_ups, available
 
 
 def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, waiting: bool):
@@ -324,16 +337,16 @@ def record_round(settings: Settings, clock, requests, proposals: Proposals, acce
                                         ended=ended))
 
 
-def leaf_outcome(proposals: Proposals, accepted: np.ndarray, spine: np.ndarray) -> tuple[float, float]:
-    """(runner-up probability, count) summed over a tree round's reached leaves (those under a spine
-    node on the accepted path or the root: step j <= spine_i), and its accepted leaves (a path that
-    leaves the spine ends at a leaf)."""
+def leaf_outcome(proposals: Proposals, accepted: np.ndarray, spine: np.ndarray):
+    """Per row [R] (None without priced leaves): the runner-up probabilities summed over a tree
+    round's reached leaves (those under a spine node on the accepted path or the root: step j <=
+    spine_i), and its accepted leaves (1 where the path left the spine: it ends at a leaf)."""
     if proposals.leaves is None or proposals.runner_ups is None:
-        return 0.0, 0.0
+        return None, None
     leaves, runner_ups = proposals.leaves, proposals.runner_ups
     reached = np.arange(leaves.shape[1])[None, :] <= spine[:, None]  # [R, steps]
     included = np.arange(runner_ups.shape[2])[None, None, :] < (leaves * reached)[:, :, None]
-    return float(np.where(included, runner_ups, 0.0).sum()), float((accepted > spine).sum())
+    return np.where(included, runner_ups, 0.0).sum(axis=(1, 2)), (accepted > spine).astype(float)
 
 
 def check_rect_forward(pad_len: torch.Tensor, first_col: int, position_ids, mask, window) -> list:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..invariants import check_round_commit, check_tree_commit, mask_strings, raise_if
+from ..invariants import check_distinct_candidates, check_round_commit, check_tree_commit, mask_strings, raise_if
 from .verify import committed_lists
 
 
@@ -127,6 +127,8 @@ def check_proposals(proposals) -> list:
     found = proposals.rule.check(proposals.proposed, confidence)
     if proposals.leaves is not None:  # a tree round: each step's leaves are the rule's too
         found += proposals.rule.check_leaves(proposals.leaves, proposals.runner_ups, confidence, proposals.proposed,
-                                             ~np.asarray(proposals.lookup_rows, dtype=bool),
-                                             proposals.siblings.shape[2])
+                                             proposals.available)
+        if proposals.q is None:  # greedy, coupled: a node's children carry distinct tokens
+            found += check_distinct_candidates(proposals.drafted.cpu().numpy(), proposals.siblings.cpu().numpy(),
+                                               proposals.leaves, proposals.siblings.shape[2])
     return found

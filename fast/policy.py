@@ -20,7 +20,8 @@ seconds) is found from the rows' history forecasts; a proposal then pays if its 
 least lam * b (the price of its verify token), a draft step if what it adds is at least lam *
 draft(R). With token trees a leaf is priced the same way, one verify token, its acceptance
 min(leaf_calibration * runner-up probability, 1) with a leaf calibration pooled over the batch
-(accepted leaves per unit of their probabilities, for leaves whose parent was reached; fast.proposals). The worth of a token is 1 while requests wait for a slot; with nobody waiting it is the
+(accepted leaves per unit of their probabilities, for leaves whose parent was reached; fast.proposals),
+learnt apart for the draft model's leaves and a lookup row's (priced by their shares). The worth of a token is 1 while requests wait for a slot; with nobody waiting it is the
 row's remaining budget over the largest (the run ends with its longest rows). Greedy and coupled
 outputs cannot change with proposal lengths; rejection-sampled outputs with a fixed seed would (the
 distribution stays exact), so their default is Threshold.
@@ -70,8 +71,8 @@ class RoundOutcome:
     verify_tokens: int  # tokens the verify forward computed
     verify_seconds: float
     lookup_rows: np.ndarray | None = None  # [R] rows that drafted by prompt lookup alone (None: none)
-    leaf_confidence: float = 0.0  # token trees: runner-up probabilities of the leaves whose parent was reached
-    leaves_accepted: float = 0.0  # ... and how many of those leaves were accepted
+    leaf_confidence: np.ndarray | None = None  # [R] token trees: runner-ups of the leaves whose parent was reached
+    leaves_accepted: np.ndarray | None = None  # [R] ... and how many of those leaves were accepted (None: no leaves)
     ended: float = field(default_factory=time.perf_counter)  # clock reading when the round ended
 
 
@@ -116,7 +117,7 @@ class Goodput:
     """The goodput policy (module docstring)."""
 
     PRIOR_WEIGHT = 2.0  # pseudo-proposals of the batch's rate in a row's estimate
-    LEAF_PRIOR = 1.0  # pseudo-confidence of leaves at the batch's proposal calibration, in the leaf calibration
+    LEAF_PRIOR = 1.0  # pseudo-confidence of leaves at the batch's proposal calibration, in the leaf calibrations
     reads_confidence = True
 
     def __init__(self, k: int):
@@ -125,7 +126,8 @@ class Goodput:
         self.overhead: deque = deque(maxlen=64)  # seconds of a round outside draft and verify
         self.rows: dict = {}  # (request, drafted by lookup) -> History
         self.pooled = {False: History(), True: History()}  # the batch's, by source
-        self.leaves = History()  # token trees: the batch's reached leaves (their probabilities) and accepted ones
+        self.leaves = {False: History(), True: History()}  # token trees: the batch's reached leaves (their
+        # runner-up probabilities, a lookup row's their shares) and accepted ones, by source
         self.last_record = None
         self.rule = None
 
@@ -142,12 +144,13 @@ class Goodput:
         calibration = accepted / (np.array([h.confidence for h in own]) + w * pooled_confidence)
         return forecast, calibration
 
-    def leaf_calibration(self, rows: int) -> np.ndarray:
+    def leaf_calibration(self, rows: int, lookup: bool = False) -> np.ndarray:
         """[R]: accepted leaves per unit of their runner-up probabilities, the batch's, shrunk towards
-        the batch's calibration of model proposals."""
-        pooled = self.pooled[False]
+        the batch's calibration of proposals from the same source: the draft model's, or (lookup=True)
+        the prompt lookup's, whose leaves are priced by their shares of the n-gram's occurrences."""
+        pooled, leaves = self.pooled[lookup], self.leaves[lookup]
         prior = (pooled.accepted + self.PRIOR_WEIGHT * 0.5) / (pooled.confidence + self.PRIOR_WEIGHT * 0.5)
-        value = (self.leaves.accepted + self.LEAF_PRIOR * prior) / (self.leaves.confidence + self.LEAF_PRIOR)
+        value = (leaves.accepted + self.LEAF_PRIOR * prior) / (leaves.confidence + self.LEAF_PRIOR)
         return np.full(rows, value)
 
     def worth(self, info: RoundInfo) -> np.ndarray:
@@ -163,15 +166,15 @@ class Goodput:
         forecast, calibration = self.estimates(info.requests)
         by_lookup = self.estimates(info.requests, lookup=True)[1]
         worth = self.worth(info)
-        leaf_calibration = self.leaf_calibration(rows)
+        leaf_calibration = self.leaf_calibration(rows), self.leaf_calibration(rows, lookup=True)
         if not (self.draft_cost.measured() and self.verify_cost.measured()):  # the first round: everything
-            self.rule = GoodputRule(clamp, worth, calibration, forecast, 0.0, 0.0, by_lookup, leaf_calibration)
+            self.rule = GoodputRule(clamp, worth, calibration, forecast, 0.0, 0.0, by_lookup, *leaf_calibration)
             return self.rule
         overhead = float(np.median(self.overhead)) if self.overhead else 0.0
         token, step = self.verify_cost.slope(), self.draft_cost(rows)  # one verify token: a proposal's, a leaf's
         lam = best_ratio(worth, forecast, clamp, max(self.verify_cost(rows) + overhead, 1e-9), token, step)
         self.rule = GoodputRule(clamp, worth, calibration, forecast, lam * token, lam * step, by_lookup,
-                                leaf_calibration)
+                                *leaf_calibration)
         return self.rule
 
     def record(self, outcome: RoundOutcome) -> None:
@@ -190,10 +193,12 @@ class Goodput:
             columns = np.arange(outcome.confidence.shape[1])[None, :] < reached[:, None]
             confidence = np.where(columns, outcome.confidence, 0.0).sum(axis=1)
         landed = np.minimum(accepted, proposed)
-        self.leaves.add(0.0, outcome.leaves_accepted, outcome.leaf_confidence)
         lookup = np.zeros(rows, dtype=bool) if outcome.lookup_rows is None else np.asarray(outcome.lookup_rows)
         for source in (False, True):  # evidence of both sources ages every round
             mine = lookup == source
+            if outcome.leaf_confidence is not None:
+                self.leaves[source].add(0.0, float(outcome.leaves_accepted[mine].sum()),
+                                        float(outcome.leaf_confidence[mine].sum()))
             self.pooled[source].add(float(reached[mine].sum()), float(landed[mine].sum()),
                                     float(confidence[mine].sum()))
             for i, r in enumerate(outcome.requests):

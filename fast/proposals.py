@@ -17,9 +17,11 @@ to the proposals they have, so the checkers see the same limit. A row that propo
 exactly one target token; a round in which no row proposes is a plain target step.
 
 With token trees (fast.trees) a rule also decides how many leaves each proposal's step brings
-(`leaves`): the threshold rule all tree_branches - 1 of them, the goodput rule the leading ones whose
-expected worth pays for their verify token, from the step's runner-up probabilities (the 2nd, 3rd,
-... largest of the draft's distribution; like `confidence`, never a token drawn):
+(`leaves`), of the candidates the step has (`available`: tree_branches - 1 on a model row; on a
+lookup row, the other followers its lookup found, none in rejection mode): the threshold rule all
+of them, the goodput rule the leading ones whose expected worth pays for their verify token, from
+the step's runner-up probabilities (the 2nd, 3rd, ... largest of the draft's distribution; a lookup
+row's: each follower's share of the n-gram's occurrences; like `confidence`, never a token drawn):
 
     leaf r at step j:  worth_i * prod_{j' < j} min(calibration_i * confidence_ij', 1)
                        * min(leaf_calibration_i * runner_up_ijr, 1) >= bar
@@ -82,13 +84,13 @@ class ThresholdRule:
         self.model_rows = np.asarray(model_rows, dtype=bool)
         return self.limit > 0
 
-    def leaves(self, j: int, runner_ups, proposes: np.ndarray, most: int) -> np.ndarray:
-        """[R] leaves under step j's proposal (a lookup row's tree is its chain)."""
-        return np.where(proposes & self.model_rows, most, 0)
+    def leaves(self, j: int, runner_ups, proposes: np.ndarray, available: np.ndarray) -> np.ndarray:
+        """[R] leaves under step j's proposal: every candidate the step has (available [R])."""
+        return np.where(proposes, available, 0)
 
-    def check_leaves(self, leaves, runner_ups, confidence, proposed, model_rows, most: int) -> list:
+    def check_leaves(self, leaves, runner_ups, confidence, proposed, available) -> list:
         from ..invariants import check_threshold_leaves
-        return check_threshold_leaves(leaves, proposed, model_rows, most)
+        return check_threshold_leaves(leaves, proposed, available)
 
     def step(self, j: int, confidence, active: np.ndarray):
         """(proposes, goes_on) [R] at step j from the step's confidences (host float64, or None). A row
@@ -115,11 +117,13 @@ class GoodputRule:
     decides_leaves = True  # from the runner-up probabilities of each step (module docstring)
 
     def __init__(self, limit, worth, calibration, forecast, bar: float, step_price: float, lookup_calibration=None,
-                 leaf_calibration=None):
+                 leaf_calibration=None, lookup_leaf_calibration=None):
         self.limit = np.asarray(limit, dtype=np.int64).copy()
         self.worth, self.calibration, self.forecast = worth, calibration, forecast  # [R] each
         self.lookup_calibration = calibration if lookup_calibration is None else lookup_calibration  # [R]
         self.leaf_calibration = calibration if leaf_calibration is None else leaf_calibration  # [R]
+        self.lookup_leaf_calibration = self.leaf_calibration if lookup_leaf_calibration is None \
+            else lookup_leaf_calibration  # [R]
         self.bar, self.step_price = float(bar), float(step_price)
         self.reach = np.ones(len(self.limit))  # P(every proposal so far is accepted), per row
         self.reach_before = self.reach  # the same before the current step: what its leaves need to be reached
@@ -130,9 +134,11 @@ class GoodputRule:
 
     def begin(self, model_rows: np.ndarray) -> np.ndarray:
         """The first model step runs only if the rows' forecasts pay for it (lookup rows need none);
-        a lookup row's calibration is its lookup proposals' (their confidence is always 1)."""
+        a lookup row's calibrations are its lookup proposals' (their confidence is always 1) and its
+        lookup leaves' (priced by their shares)."""
         self.model_rows = np.asarray(model_rows, dtype=bool)
         self.calibration = np.where(self.model_rows, self.calibration, self.lookup_calibration)
+        self.leaf_calibration = np.where(self.model_rows, self.leaf_calibration, self.lookup_leaf_calibration)
         active = self.limit > 0
         if not self._pays(self.worth * self.forecast, active):
             self.limit[self.model_rows] = 0
@@ -151,18 +157,19 @@ class GoodputRule:
             goes_on &= ~cut
         return proposes, goes_on
 
-    def leaves(self, j: int, runner_ups, proposes: np.ndarray, most: int) -> np.ndarray:
-        """[R] leaves under step j's proposal: the leading runner-ups [R, most] (host float64) that pay."""
-        count = goodput_leaves(runner_ups[:, :most], self.reach_before, self.worth, self.leaf_calibration, self.bar)
-        return np.where(proposes & self.model_rows, count, 0)
+    def leaves(self, j: int, runner_ups, proposes: np.ndarray, available: np.ndarray) -> np.ndarray:
+        """[R] leaves under step j's proposal: the leading runner-ups [R, b - 1] (host float64) that pay,
+        of the candidates the step has (available [R])."""
+        count = goodput_leaves(runner_ups, self.reach_before, self.worth, self.leaf_calibration, self.bar)
+        return np.where(proposes, np.minimum(count, available), 0)
 
     def check(self, proposed, confidence) -> list:
         from ..invariants import check_goodput_lengths
         return check_goodput_lengths(proposed, confidence, self.limit, self.worth, self.calibration, self.bar)
 
-    def check_leaves(self, leaves, runner_ups, confidence, proposed, model_rows, most: int) -> list:
+    def check_leaves(self, leaves, runner_ups, confidence, proposed, available) -> list:
         from ..invariants import check_goodput_leaves
-        return check_goodput_leaves(leaves, runner_ups, confidence, proposed, model_rows, most, self.worth,
+        return check_goodput_leaves(leaves, runner_ups, confidence, proposed, available, self.worth,
                                     self.calibration, self.leaf_calibration, self.bar)
 
     def fields(self, i: int) -> dict:

@@ -32,7 +32,7 @@ import torch
 from .compute.attention import uses_engine_attention
 from .engine import Proposals, Settings, check_cache_row, draft_round
 from .drafts.feature_draft import FeatureBuffer, draft_pending_after_features
-from .drafts.lookup_draft import LookupStep, latest_match
+from .drafts.lookup_draft import LookupStep, latest_match, other_followers
 from .models import vocab_size
 from .compute.prefill import prefill_into
 from .compute.slot_cache import SlotCache
@@ -185,8 +185,11 @@ class LookupFirst:
     def lookup_step(self, rows_dev, content: np.ndarray):
         """draft_round's lookup_step for this round's rows: the draft's prompt lookup over each row's
         tokens (content 0..c_i - 1, then the round's proposals), run on the token buffer itself (no
-        cache: a round of lookup rows alone leaves the draft's cache as it is)."""
+        cache: a round of lookup rows alone leaves the draft's cache as it is). With token trees, where
+        the chooser allows it (greedy and coupled), each step also brings the followers of the matched
+        n-gram's other occurrences: a lookup row's leaves (fast.trees)."""
         s, rows = self.settings, len(content)
+        branches = s.tree_branches - 1 if s.chooser.takes_lookup_leaves else 0
         width = int(content.max()) + s.k
         work = self.tokens[rows_dev, :width].clone()
         length = torch.as_tensor(content, device=s.device)
@@ -197,8 +200,12 @@ class LookupFirst:
             if ids is not None:  # the previous step's tokens follow each row's content
                 work[row_index, length + step - 1] = ids[:, 0]
             history = torch.where(column < (length + step)[:, None], work, torch.full_like(work, -1))
-            proposal, matched = latest_match(history, length + step - 1, self.lookup.max_ngram, self.lookup.min_match)
-            return LookupStep(proposal, matched, self.vocab, s.dtype)
+            last = length + step - 1
+            proposal, matched = latest_match(history, last, self.lookup.max_ngram, self.lookup.min_match)
+            if not branches:
+                return LookupStep(proposal, matched, self.vocab, s.dtype)
+            others, shares = other_followers(history, last, proposal, matched, branches, self.lookup.max_ngram)
+            return LookupStep(proposal, matched, self.vocab, s.dtype, others, shares)
         return step
 
 

@@ -112,6 +112,7 @@ class Chooser:
 
     needs_q = False
     processors = None  # fast.processors.LogitProcessors: penalties, bias, min_tokens (min_p when sampling)
+    takes_lookup_leaves = True  # a lookup row's leaves may be any tokens: a leaf stays iff it is the target's choice
 
     def processed(self, logits, requests, drafted=None):
         """logits after the requests' processors (float64), or as they are without any."""
@@ -249,6 +250,7 @@ class Coupled(Sampled):
 
 class Rejection(Sampled):
     needs_q = True
+    takes_lookup_leaves = False  # every candidate must be a draw from q, and a lookup row's q is one-hot (T6)
 
     def siblings(self, logits, q, token, requests, positions, count: int) -> torch.Tensor:
         """count more independent draws from q [R, V], each keyed by its number (multi-candidate

@@ -4,12 +4,14 @@ A row's tree is its chain of proposals (the spine: node j, 1 <= j <= p, carries 
 plus, under each spine node j - 1 < p, up to b - 1 leaves: the other candidates for position
 c - 1 + j should d_j miss. In greedy and coupled mode they are the draft's next most likely tokens
 at that step; in rejection mode, further independent draws from the step's q (fast.sampling, the
-chooser's `siblings`). How many of them a step brings is the proposal rule's (fast.proposals: the
-goodput rule takes those whose expected worth pays for their verify token, so a row's tree may be
-its chain; the threshold rule all b - 1). Spine nodes are numbered first, so a tree's first p + 1
-nodes are the row's chain (fast.layout.VerifyLayout); the leaves follow, step by step. A lookup row (its proposals came
-from prompt lookup, fast.drafts.lookup_draft) has no draft distribution to take leaves from: its
-tree is its chain.
+chooser's `siblings`). A lookup row (its proposals came from prompt lookup,
+fast.drafts.lookup_draft) takes the tokens that followed the other occurrences of its matched
+n-gram (`other_followers`), in greedy and coupled mode only: its q is one-hot, so in rejection mode
+it has no draws to offer and its tree is its chain. How many leaves a step brings is the proposal
+rule's (fast.proposals: the goodput rule takes those whose expected worth pays for their verify
+token, so a row's tree may be its chain; the threshold rule every candidate). Spine nodes are
+numbered first, so a tree's first p + 1 nodes are the row's chain (fast.layout.VerifyLayout); the
+leaves follow, step by step.
 
 One verify forward computes every node's target logits (fast.layout.TreeLayout, tree masks from
 parents and lengths, never from token ids). Greedy and coupled: the walk (fast.verify.greedy_tree_path,
@@ -47,17 +49,18 @@ class SiblingTrees:
     longest: int  # P
     proposed: np.ndarray  # [R] spine nodes per row, p_i
     branches: int  # b: the most candidates per spine step (the proposal and b - 1 leaves)
-    leaves: np.ndarray  # [R, P] leaves under each spine step (0 past p_i and on lookup rows)
+    leaves: np.ndarray  # [R, P] leaves under each spine step (0 past p_i)
     leaf_start: np.ndarray  # [R, P] the node number of each step's first leaf
 
     @classmethod
-    def of(cls, proposed, lookup_rows, branches: int, content, leaves=None) -> "SiblingTrees":
-        """leaves [R, >= P]: per row and step (None: b - 1 under every proposal of a model row)."""
+    def of(cls, proposed, branches: int, content, leaves=None) -> "SiblingTrees":
+        """leaves [R, >= P]: per row and step, as the proposal rule chose them (None: b - 1 under every
+        proposal)."""
         proposed = np.asarray(proposed, dtype=np.int64)
         longest = int(proposed.max(initial=0))
         step = np.arange(longest)[None, :]
         most = branches - 1 if leaves is None else np.asarray(leaves, dtype=np.int64)[:, :longest]
-        leaves = np.where((step < proposed[:, None]) & ~np.asarray(lookup_rows, dtype=bool)[:, None], most, 0)
+        leaves = np.where(step < proposed[:, None], most, 0)
         before = np.cumsum(leaves, axis=1) - leaves  # leaves of the earlier steps
         leaf_start = proposed[:, None] + 1 + before
         parents, source = [], []
@@ -113,7 +116,7 @@ def rejection_walk(trees: SiblingTrees, p_nodes: torch.Tensor, node_tokens: torc
     rows, longest, dev = len(node_tokens), trees.longest, node_tokens.device
     every = torch.arange(rows, device=dev)
     proposed = torch.as_tensor(trees.proposed, device=dev)
-    leaves = torch.as_tensor(trees.leaves, device=dev)  # [R, P] (none on lookup rows)
+    leaves = torch.as_tensor(trees.leaves, device=dev)  # [R, P] (none on lookup rows: T6 needs draws from q)
     leaf_start = torch.as_tensor(trees.leaf_start, device=dev)
     width = node_tokens.shape[1]
     path = torch.full((rows, longest), -1, dtype=torch.long, device=dev)

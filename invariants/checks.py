@@ -198,40 +198,39 @@ def check_goodput_lengths(proposed, confidence, limit, worth, calibration, bar: 
     return out
 
 
-def check_threshold_leaves(leaves, proposed, model_rows, most: int) -> list[Violation]:
-    """I7 for a tree's leaves under the threshold rule (fast.proposals.ThresholdRule): a model row
-    has `most` leaves under each of its proposals, a lookup row none, and no step past a row's
-    proposals has any."""
+def check_threshold_leaves(leaves, proposed, available) -> list[Violation]:
+    """I7 for a tree's leaves under the threshold rule (fast.proposals.ThresholdRule): every
+    candidate the step has (available [R, steps]) under each of a row's proposals, and none past them."""
     leaves, proposed = as_numpy(leaves).astype(int), as_numpy(proposed).astype(int)
-    model_rows = as_numpy(model_rows).astype(bool)
+    available = as_numpy(available).astype(int)
     out = []
     for i in range(len(proposed)):
         for j in range(leaves.shape[1]):
-            want = most if model_rows[i] and j < proposed[i] else 0
+            want = available[i, j] if j < proposed[i] else 0
             if leaves[i, j] != want:
-                out.append(Violation("I7", "leaf count is not the threshold rule's (all of them under each "
-                                           "proposal of a model row)", row=i, index=j, expected=want,
+                out.append(Violation("I7", "leaf count is not the threshold rule's (every candidate under "
+                                           "each proposal)", row=i, index=j, expected=want,
                                      actual=int(leaves[i, j])))
     return out
 
 
-def check_goodput_leaves(leaves, runner_ups, confidence, proposed, model_rows, most: int, worth, calibration,
+def check_goodput_leaves(leaves, runner_ups, confidence, proposed, available, worth, calibration,
                          leaf_calibration, bar: float) -> list[Violation]:
     """I7 for a tree's leaves under the goodput rule (fast.proposals.GoodputRule): under row i's
-    proposal at step j < p_i, the leading r < most for which worth_i * prod_{j' < j}
+    proposal at step j < p_i, the leading r < available_ij for which worth_i * prod_{j' < j}
     min(calibration_i * confidence_ij', 1) * min(leaf_calibration_i * runner_up_ijr, 1) >= bar;
-    none on a lookup row or past the row's proposals."""
+    none past the row's proposals."""
     leaves, proposed = as_numpy(leaves).astype(int), as_numpy(proposed).astype(int)
     runner_ups = as_numpy(runner_ups).astype(float)
     confidence = as_numpy(confidence).astype(float).reshape(len(proposed), -1)
-    model_rows = as_numpy(model_rows).astype(bool)
+    available = as_numpy(available).astype(int)
     out = []
     for i in range(len(proposed)):
         reach = 1.0
         for j in range(leaves.shape[1]):
             want = 0
-            if model_rows[i] and j < proposed[i]:
-                while want < most and float(worth[i]) * reach * min(
+            if j < proposed[i]:
+                while want < available[i, j] and float(worth[i]) * reach * min(
                         float(leaf_calibration[i]) * runner_ups[i, j, want], 1.0) >= bar:
                     want += 1
                 reach *= min(float(calibration[i]) * confidence[i, j], 1.0)
@@ -239,6 +238,21 @@ def check_goodput_leaves(leaves, runner_ups, confidence, proposed, model_rows, m
                 out.append(Violation("I7", "leaf count is not the goodput rule's (own runner-up probabilities, "
                                            "reach, worth, leaf calibration; the round's bar)",
                                      row=i, index=j, expected=want, actual=int(leaves[i, j])))
+    return out
+
+
+def check_distinct_candidates(drafted, siblings, leaves, most: int) -> list[Violation]:
+    """I7 for a greedy or coupled tree: under each spine node the candidates (the proposal d_j and
+    the step's leaves) are distinct tokens, and a step offers at most `most` leaves; so the target's
+    choice is at most one child, and no verify token goes to a copy."""
+    drafted, siblings, leaves = as_numpy(drafted), as_numpy(siblings), as_numpy(leaves).astype(int)
+    out = []
+    for i in range(leaves.shape[0]):
+        for j in range(leaves.shape[1]):
+            tokens = [int(drafted[i, j])] + [int(t) for t in siblings[i, j, :leaves[i, j]]]
+            if len(set(tokens)) != len(tokens) or leaves[i, j] > most:
+                out.append(Violation("I7", "a spine node's candidates repeat a token (or exceed the tree's "
+                                           "branches)", row=i, index=j, expected=most, actual=tokens))
     return out
 
 

@@ -198,9 +198,8 @@ def test_runner_ups_are_the_draft_distributions_second_and_later_probabilities()
         assert np.allclose(got.numpy(), want, atol=1e-6), type(chooser).__name__
 
 
-def test_sibling_trees_number_the_spine_first_and_give_lookup_rows_none():
-    trees = SiblingTrees.of(proposed=[2, 0, 2], lookup_rows=np.array([False, False, True]), branches=3,
-                            content=[5, 3, 8])
+def test_sibling_trees_number_the_spine_first_and_take_the_rules_leaves():
+    trees = SiblingTrees.of(proposed=[2, 0, 2], branches=3, content=[5, 3, 8], leaves=[[2, 2], [0, 0], [0, 0]])
     assert [p.tolist() for p in trees.parents] == [[-1, 0, 1, 0, 0, 1, 1], [-1], [-1, 0, 1]]
     # candidate matrix: pending, d_1, d_2, then step 0's two siblings, step 1's two
     assert trees.source[0].tolist() == [0, 1, 2, 3, 4, 5, 6]
@@ -208,24 +207,22 @@ def test_sibling_trees_number_the_spine_first_and_give_lookup_rows_none():
     assert trees.layout.position[:7].tolist() == [4, 5, 6, 5, 5, 6, 6]
 
 
-@given(st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.lists(st.integers(0, 2), min_size=4, max_size=4)),
+@given(st.lists(st.tuples(st.integers(0, 4), st.lists(st.integers(0, 2), min_size=4, max_size=4)),
                 min_size=1, max_size=5))
 @settings(max_examples=examples(40), deadline=None)
 def test_sibling_trees_with_the_rules_leaves_are_the_references_trees(rows):
     """Whatever leaves per step the proposal rule chose, the engine's trees (parents, and tokens
-    through the candidate matrix) are reference.trees.sibling_tree's, and a lookup row's is its chain."""
+    through the candidate matrix) are reference.trees.sibling_tree's."""
     from specbatch.reference.trees import sibling_tree
-    proposed = np.array([p for p, _, _ in rows])
-    lookup = np.array([lk for _, lk, _ in rows])
-    leaves = np.array([c for _, _, c in rows])
-    trees = SiblingTrees.of(proposed, lookup, 3, np.full(len(rows), 9), leaves)
+    proposed = np.array([p for p, _ in rows])
+    leaves = np.array([c for _, c in rows])
+    trees = SiblingTrees.of(proposed, 3, np.full(len(rows), 9), leaves)
     pending = torch.arange(len(rows)) + 100
     drafted = torch.arange(len(rows) * 4).reshape(-1, 4) + 200
     siblings = torch.arange(len(rows) * 8).reshape(-1, 4, 2) + 300
     tokens = trees.candidates(pending, drafted, siblings).gather(1, torch.as_tensor(trees.source))
     for i in range(len(rows)):
-        want = sibling_tree(int(pending[i]), drafted[i, :proposed[i]], siblings[i, :proposed[i]],
-                            np.zeros(4, dtype=int) if lookup[i] else leaves[i])
+        want = sibling_tree(int(pending[i]), drafted[i, :proposed[i]], siblings[i, :proposed[i]], leaves[i])
         assert trees.parents[i].tolist() == want.parent.tolist()
         assert tokens[i, :want.size].tolist() == want.tokens.tolist()
 

@@ -282,3 +282,129 @@ def test_prompt_lookup_confidence_grows_with_the_matched_ngram(vocab):
     chosen = probs.gather(1, proposal[:, None])[:, 0].tolist()
     assert chosen[0] == pytest.approx(1.0, abs=1e-6)
     assert chosen[1] == pytest.approx(0.2, rel=1e-4) and chosen[2] == pytest.approx(1.5 / vocab, rel=1e-4)
+
+
+# Token trees: a lookup row's leaves are the followers of its n-gram's other occurrences
+
+def other_followers_rule(history: list[int], matched: int, proposal: int, count: int) -> list[tuple[int, float]]:
+    """The tokens after the other earlier occurrences of the last `matched` tokens, latest first,
+    distinct and not the proposal, each with its share of the occurrences (at most count)."""
+    last = len(history) - 1
+    if not matched:
+        return []
+    ends = [j for j in range(last - 1, matched - 2, -1)
+            if history[j - matched + 1:j + 1] == history[last - matched + 1:last + 1]]
+    followers = [history[j + 1] for j in ends]
+    found = []
+    for token in followers:
+        if token != proposal and token not in [t for t, _ in found] and len(found) < count:
+            found.append((token, followers.count(token) / len(followers)))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_other_followers_follow_the_rule(seed):
+    from specbatch.fast.drafts.lookup_draft import latest_match, other_followers
+    rng = np.random.default_rng(seed)
+    rows = [rng.choice([1, 2, 3, 4], int(rng.integers(1, 40))).tolist() for _ in range(6)]
+    width = max(map(len, rows)) + 2
+    history = torch.full((len(rows), width), -1)
+    for i, r in enumerate(rows):  # left-padded: hidden slots hold -1, as the engine's lookup sees them
+        history[i, width - len(r):] = torch.tensor(r)
+    last = torch.full((len(rows),), width - 1)
+    proposal, matched = latest_match(history, last, 3, min_ngram=1)
+    others, shares = other_followers(history, last, proposal, matched, 3, 3)
+    for i, r in enumerate(rows):
+        want = other_followers_rule(r, int(matched[i]), int(proposal[i]), 3)
+        have = int((shares[i] > 0).sum())
+        assert [(int(t), float(s)) for t, s in zip(others[i, :have], shares[i, :have])] == \
+            [(t, pytest.approx(s)) for t, s in want]
+        assert (others[i, have:] == proposal[i]).all() and (shares[i, have:] == 0).all()
+
+
+def older_follower_prompts(target, count: int, **sampling) -> list:
+    """Prompts ending in an n-gram seen 5 times before with 5 different followers, whose next token
+    (as target-only decoding with these settings chooses it) is the second or third latest follower:
+    the lookup proposes the latest, and the right token is one of its other followers (a leaf)."""
+    rng = np.random.default_rng(0)
+    chosen = [None] * count
+    for _ in range(300):  # each row keeps its own sampling keys: a candidate is tried in its own slot
+        candidates, wanted = [], []
+        for _ in range(count):
+            a, b = rng.integers(10, VOCAB, 2).tolist()
+            followers = rng.choice(np.arange(10, VOCAB), 5, replace=False).tolist()
+            prompt = sum((rng.integers(10, VOCAB, 3).tolist() + [a, b, f] for f in followers), []) + [a, b]
+            candidates.append(prompt)
+            wanted.append(followers[-3:-1])
+        following = specbatch.generate(target, None, candidates, max_new_tokens=1, batch_size=count,
+                                       **sampling).sequences
+        for i in range(count):
+            if chosen[i] is None and following[i][0] in wanted[i]:
+                chosen[i] = candidates[i]
+        if all(c is not None for c in chosen):
+            return chosen
+    raise AssertionError("no such prompts found")
+
+
+def lookup_leaf_spy(monkeypatch) -> list:
+    """Records (lookup rows' leaves, lookup rows' accepted leaves) of every tree round."""
+    import specbatch.fast.engine as engine
+    seen, real = [], engine.leaf_outcome
+
+    def spy(proposals, accepted, spine):
+        confidence, leaves_accepted = real(proposals, accepted, spine)
+        rows = proposals.lookup_rows
+        if proposals.leaves is not None:
+            seen.append((int(proposals.leaves[rows].sum()),
+                         0.0 if leaves_accepted is None else float(leaves_accepted[rows].sum())))
+        return confidence, leaves_accepted
+    monkeypatch.setattr(engine, "leaf_outcome", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+def test_lookup_rows_branch_on_earlier_matches_and_stay_exact(monkeypatch, mode):
+    """With tree_branches > 1 a lookup row's tree takes the followers of its n-gram's other earlier
+    occurrences as leaves (checked live: the rule's counts, I7; distinct candidates); where the right
+    token is one of them the leaf is accepted, and outputs stay target-only's."""
+    seen = lookup_leaf_spy(monkeypatch)
+    target = tiny("llama")
+    sampled = {} if mode == "greedy" else dict(temperature=0.9, sampling="coupled", seed=4)
+    prompts = older_follower_prompts(target, 4, **sampled)
+    draft = LookupFirstDraft(tiny("llama", layers=1, seed=5), min_match=2)
+    result = specbatch.generate(target, draft, prompts, max_new_tokens=16, num_draft_tokens=4, batch_size=4,
+                                tree_branches=3, check_invariants=True, **sampled)
+    assert result.stats["lookup_rounds"] > 0
+    assert sum(leaves for leaves, _ in seen) > 0 and sum(accepted for _, accepted in seen) >= 4
+    alone = specbatch.generate(target, None, prompts, max_new_tokens=16, **sampled)
+    assert result.sequences == alone.sequences
+
+
+def test_rejection_gives_lookup_rows_no_leaves(monkeypatch):
+    """A lookup row's q is one-hot: its other followers are no draws from q, so under rejection
+    sampling its tree stays its chain (proofs_notes/trees.md, T6)."""
+    seen = lookup_leaf_spy(monkeypatch)
+    target = tiny("llama")
+    prompts = older_follower_prompts(target, 2)
+    draft = LookupFirstDraft(tiny("llama", layers=1, seed=5), min_match=2)
+    result = specbatch.generate(target, draft, prompts, max_new_tokens=8, num_draft_tokens=4, batch_size=2,
+                                tree_branches=3, check_invariants=True, temperature=0.9, sampling="rejection",
+                                seed=4, policy="goodput")
+    assert result.stats["lookup_rounds"] > 0 and seen and sum(leaves for leaves, _ in seen) == 0
+
+
+def test_a_lookup_leaf_that_repeats_a_candidate_is_caught(monkeypatch):
+    """A lookup offering its proposal again as a leaf: the live I7 check names the repeated token."""
+    import specbatch.fast.proposer as proposer
+    from specbatch.invariants import InvariantError
+    real = proposer.other_followers
+
+    def repeating(history, last, proposal, matched, count, max_ngram):
+        others, shares = real(history, last, proposal, matched, count, max_ngram)
+        return others, torch.where(matched[:, None] > 0, torch.ones_like(shares), shares)  # every slot "found"
+    monkeypatch.setattr(proposer, "other_followers", repeating)
+    target = tiny("llama")
+    draft = LookupFirstDraft(tiny("llama", layers=1, seed=5), min_match=2)
+    with pytest.raises(InvariantError, match="repeat a token"):
+        specbatch.generate(target, draft, older_follower_prompts(target, 2), max_new_tokens=8, num_draft_tokens=4,
+                           batch_size=2, tree_branches=3, check_invariants=True)

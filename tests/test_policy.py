@@ -224,15 +224,18 @@ def test_linear_cost_never_prices_below_zero():
     assert falling.slope() == 0.0 and falling(100) == pytest.approx(0.03) and falling(0) == pytest.approx(0.03)
 
 
-def grow_tree(rule, confidence, runner_ups, model_rows=None):
-    """Apply a rule step by step as engine.draft_round does: (proposed [R], leaves [R, S])."""
+def grow_tree(rule, confidence, runner_ups, model_rows=None, available=None):
+    """Apply a rule step by step as engine.draft_round does: (proposed [R], leaves [R, S]); available
+    [R, S]: the candidates each step has (None: all b - 1 on model rows, none on lookup rows)."""
     rows, steps = confidence.shape
     model_rows = np.ones(rows, dtype=bool) if model_rows is None else np.asarray(model_rows)
+    if available is None:
+        available = np.where(model_rows[:, None], runner_ups.shape[2], np.zeros((rows, steps), dtype=int))
     active, proposed, leaves = rule.begin(model_rows), np.zeros(rows, dtype=np.int64), []
     for j in range(steps):
         proposes, active = rule.step(j, confidence[:, j], active)
         proposed += proposes
-        leaves.append(rule.leaves(j, runner_ups[:, j], proposes, runner_ups.shape[2]))
+        leaves.append(rule.leaves(j, runner_ups[:, j], proposes, available[:, j]))
     return proposed, np.stack(leaves, axis=1)
 
 
@@ -241,24 +244,31 @@ def grow_tree(rule, confidence, runner_ups, model_rows=None):
 def test_the_goodput_leaves_three_ways(rows, most, worth, leaf_calibration, bar, data):
     """Leaf by leaf as the engine applies the rule, in the checker, and from the rule's statement:
     under each proposal, the leading runner-ups whose expected worth (reach before the step times
-    the leaf's own acceptance) pays for one verify token; none on a lookup row or past the proposals."""
+    the leaf's own acceptance, at the calibration of its source) pays for one verify token, of the
+    candidates the step has (a lookup row's: the other followers its lookup found); none past the
+    proposals."""
     confidence = np.array(data.draw(st.lists(st.lists(probability, min_size=3, max_size=3), min_size=rows,
                                              max_size=rows)))
     runner_ups = -np.sort(-np.array(data.draw(st.lists(st.lists(st.lists(st.floats(0, 0.5), min_size=most,
                                                                          max_size=most), min_size=3, max_size=3),
                                                        min_size=rows, max_size=rows))), axis=2)
     model_rows = np.array(data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows)))
+    found = np.array(data.draw(st.lists(st.lists(st.integers(0, most), min_size=3, max_size=3), min_size=rows,
+                                        max_size=rows)))
+    available = np.where(model_rows[:, None], most, found)
     limit, worths, calibration = np.full(rows, 3), np.full(rows, worth), np.full(rows, 1.2)
-    leaf_cal = np.full(rows, leaf_calibration)
-    rule = GoodputRule(limit, worths, calibration, np.full(rows, 0.5), bar, 0.0, calibration, leaf_cal)
-    proposed, leaves = grow_tree(rule, confidence, runner_ups, model_rows)
-    assert check_goodput_leaves(leaves, runner_ups, confidence, proposed, model_rows, most, worths, calibration,
-                                leaf_cal, bar) == []
+    leaf_cal, lookup_leaf_cal = np.full(rows, leaf_calibration), np.full(rows, 0.7)
+    rule = GoodputRule(limit, worths, calibration, np.full(rows, 0.5), bar, 0.0, calibration, leaf_cal,
+                       lookup_leaf_cal)
+    proposed, leaves = grow_tree(rule, confidence, runner_ups, model_rows, available)
+    own_leaf_cal = np.where(model_rows, leaf_cal, lookup_leaf_cal)
+    assert check_goodput_leaves(leaves, runner_ups, confidence, proposed, available, worths, calibration,
+                                own_leaf_cal, bar) == []
     for i in range(rows):
         for j in range(3):
             reach = worth * np.prod(np.minimum(1.2 * confidence[i, :j], 1.0))
-            value = reach * np.minimum(leaf_calibration * runner_ups[i, j], 1.0)
-            want = int(np.cumprod(value >= bar).sum()) if model_rows[i] and j < proposed[i] else 0
+            value = reach * np.minimum(own_leaf_cal[i] * runner_ups[i, j], 1.0)
+            want = min(int(np.cumprod(value >= bar).sum()), available[i, j]) if j < proposed[i] else 0
             assert leaves[i, j] == want
 
 
@@ -267,7 +277,7 @@ def test_the_leaf_checkers_name_a_wrong_count():
     rule = GoodputRule(np.array([2]), np.ones(1), np.ones(1), np.ones(1), 0.2, 0.0)
     proposed, leaves = grow_tree(rule, confidence, runner_ups)
     assert proposed.tolist() == [2] and leaves.tolist() == [[1, 1]]  # 0.3 and 0.9 * 0.3 pay at 0.2; 0.05 does not
-    args = (runner_ups, confidence, proposed, np.ones(1, dtype=bool), 2, np.ones(1), np.ones(1), np.ones(1), 0.2)
+    args = (runner_ups, confidence, proposed, np.full((1, 2), 2), np.ones(1), np.ones(1), np.ones(1), 0.2)
     assert check_goodput_leaves(leaves, *args) == []
     bad = check_goodput_leaves(np.array([[1, 2]]), *args)
     assert [(v.row, v.index, v.expected, v.actual) for v in bad] == [(0, 1, 1, 2)]
@@ -276,9 +286,17 @@ def test_the_leaf_checkers_name_a_wrong_count():
     assert grow_tree(shallow, np.array([[0.8, 0.9]]), runner_ups)[1].tolist() == [[1, 0]]
     threshold = ThresholdRule(np.array([2, 2]))
     proposed, leaves = grow_tree(threshold, np.ones((2, 2)), np.zeros((2, 2, 2)), [True, False])
-    assert leaves.tolist() == [[2, 2], [0, 0]]  # every leaf of a model row; a lookup row's tree is its chain
-    assert check_threshold_leaves(leaves, proposed, [True, False], 2) == []
-    assert [v.row for v in check_threshold_leaves(leaves[::-1], proposed, [True, False], 2)] == [0, 0, 1, 1]
+    assert leaves.tolist() == [[2, 2], [0, 0]]  # every leaf of a model row; this lookup row found no others
+    available = np.array([[2, 2], [0, 0]])
+    assert check_threshold_leaves(leaves, proposed, available) == []
+    assert [v.row for v in check_threshold_leaves(leaves[::-1], proposed, available)] == [0, 0, 1, 1]
+    # a lookup row whose lookup found one other follower at step 1 takes it
+    assert grow_tree(threshold, np.ones((2, 2)), np.zeros((2, 2, 2)), [True, False],
+                     np.array([[2, 2], [0, 1]]))[1].tolist() == [[2, 2], [0, 1]]
+    assert [(v.row, v.index) for v in check_threshold_leaves(leaves, proposed, np.array([[2, 2], [0, 1]]))] == [(1, 1)]
+    # the goodput rule never brings more leaves than the step has, even where more would pay
+    free = GoodputRule(np.array([2]), np.ones(1), np.ones(1), np.ones(1), 0.0, 0.0)
+    assert grow_tree(free, confidence, runner_ups, [False], np.array([[1, 0]]))[1].tolist() == [[1, 0]]
 
 
 def test_a_leaf_is_priced_at_one_verify_token_so_dear_tokens_make_chains():
@@ -296,18 +314,26 @@ def test_a_leaf_is_priced_at_one_verify_token_so_dear_tokens_make_chains():
 
 
 def test_the_leaf_calibration_learns_from_the_leaves_reached():
-    """Accepted leaves per unit of their runner-up probability, pooled over the batch: leaves accepted
-    twice as often as their probability say raise it, leaves never accepted lower it."""
-    def calibration(accepted):
+    """Accepted leaves per unit of their runner-up probability, pooled over the batch by source:
+    leaves accepted twice as often as their probability say raise it, leaves never accepted lower
+    it, and a lookup row's leaves teach the lookup's calibration only."""
+    def policy_after(accepted, lookup_rows=None):
         policy = Goodput(4)
         for _ in range(20):
             policy.record(RoundOutcome(np.arange(2), np.array([2, 2]), np.array([1, 1]), np.full((2, 2), 0.8), 2,
-                                       0.01, 6, 0.05, None, leaf_confidence=1.0, leaves_accepted=accepted))
-        return policy.leaf_calibration(3)
-    high, low = calibration(2.0), calibration(0.0)
+                                       0.01, 6, 0.05, lookup_rows, leaf_confidence=np.array([0.5, 0.5]),
+                                       leaves_accepted=np.array([accepted, accepted]) / 2))
+        return policy
+    high, low = policy_after(2.0).leaf_calibration(3), policy_after(0.0).leaf_calibration(3)
     assert high.shape == (3,) and high[0] == pytest.approx(2.0, rel=0.1) and low[0] < 0.1
+    lookup_taught = policy_after(0.0, np.array([False, True]))
+    assert lookup_taught.leaf_calibration(1, lookup=True)[0] < 0.2  # both rows' leaves failed ...
+    assert lookup_taught.leaves[True].confidence == pytest.approx(lookup_taught.leaves[False].confidence)
+    only_lookup = policy_after(0.0, np.array([True, True]))
+    assert only_lookup.leaf_calibration(1)[0] > 0.5  # ... the model's calibration heard nothing from lookup rows
     # no leaf evidence yet: the batch's calibration of proposals (1 before any evidence)
     assert Goodput(4).leaf_calibration(2).tolist() == [1.0, 1.0]
+    assert Goodput(4).leaf_calibration(2, lookup=True).tolist() == [1.0, 1.0]
 
 
 def test_a_tree_rounds_leaf_outcome_counts_the_leaves_under_reached_nodes():
@@ -320,7 +346,7 @@ def test_a_tree_rounds_leaf_outcome_counts_the_leaves_under_reached_nodes():
                           leaves, runner_ups)
     # row 0: spine accepted 1, then a leaf (path 2); row 1: nothing accepted
     confidence, accepted = leaf_outcome(proposals, np.array([2, 0]), np.array([1, 0]))
-    assert confidence == pytest.approx(0.3 + 0.2 + 0.1 + 0.5) and accepted == 1.0
+    assert confidence == pytest.approx([0.3 + 0.2 + 0.1, 0.5]) and accepted.tolist() == [1.0, 0.0]
 
 
 def test_a_tree_round_teaches_the_policy_its_spine_and_its_leaves_apart():
@@ -339,4 +365,5 @@ def test_a_tree_round_teaches_the_policy_its_spine_and_its_leaves_apart():
     record_round(settings, clock, np.array([5]), proposals, np.array([2]), 10, np.array([1]))
     row = policy.rows[(5, False)]
     assert row.accepted == 1.0 and row.reached == 2.0
-    assert policy.leaves.accepted == 1.0 and policy.leaves.confidence == pytest.approx(0.6)
+    assert policy.leaves[False].accepted == 1.0 and policy.leaves[False].confidence == pytest.approx(0.6)
+    assert policy.leaves[True].accepted == 0.0 and policy.leaves[True].confidence == 0.0

@@ -305,7 +305,7 @@ def test_the_rejection_walk_tests_only_the_leaves_a_step_has():
     and no path, even though step 1's leaves carry the very token the target wants there."""
     from specbatch.fast.trees import SiblingTrees, rejection_walk
     chooser = sampling.Rejection(1.0, None, None, torch.tensor([3]))
-    trees = SiblingTrees.of([2], np.zeros(1, dtype=bool), 3, np.array([10]), np.array([[0, 2]]))
+    trees = SiblingTrees.of([2], 3, np.array([10]), np.array([[0, 2]]))
     assert trees.parents[0].tolist() == [-1, 0, 1, 1, 1]
     wanted = 2
     nodes = torch.tensor([[0, 1, 0, wanted, 0]])  # root, d_1 = 1, d_2, then step 1's leaves
@@ -351,7 +351,7 @@ def test_a_rejection_tree_with_one_candidate_per_node_is_the_chain_draw_for_draw
         drafted = torch.tensor(rng.integers(0, v, (4, k)))
         content = torch.tensor(rng.integers(1, 50, 4))
         choice, accepted = chooser.verify(p.log(), drafted, q, torch.as_tensor(proposed), torch.arange(4), content)
-        trees = SiblingTrees.of(proposed, np.zeros(4, dtype=bool), 1, content.numpy())
+        trees = SiblingTrees.of(proposed, 1, content.numpy())
         nodes = torch.cat([torch.zeros(4, 1, dtype=torch.long), drafted], dim=1)[:, :trees.layout.parent.shape[1]]
         p_nodes = p[:, :nodes.shape[1]]
         got, got_accepted, spine, _ = rejection_walk(trees, p_nodes, nodes, q, chooser.keys(torch.arange(4)), content)

@@ -48,6 +48,18 @@ def lookup(cache, layer: int, input_ids, attention_mask, max_ngram: int, min_ngr
     return latest_match(token, last, max_ngram, min_ngram)
 
 
+def ngram_matches(token, last, n: int) -> torch.Tensor:
+    """[B, S] bool: the slots j < last[i] that end an earlier occurrence of row i's last n tokens
+    (token [B, S], -1 where hidden, never matches)."""
+    position = torch.arange(token.shape[1], device=token.device)[None, :]
+    match = (position < last[:, None]) & (position >= n - 1)
+    for offset in range(n):  # token[j - offset] == token[last - offset]
+        shifted = torch.roll(token, offset, dims=1)
+        target = token.gather(1, (last - offset).clamp(min=0)[:, None])
+        match &= (shifted == target) & (target >= 0)
+    return match
+
+
 def latest_match(token, last, max_ngram: int, min_ngram: int = 1):
     """token [B, S]: each row's history (-1 where hidden), last [B]: the slot of its last token.
     Returns (proposal [B], matched [B]) as `lookup` describes."""
@@ -56,17 +68,38 @@ def latest_match(token, last, max_ngram: int, min_ngram: int = 1):
     proposal = token.gather(1, last[:, None])[:, 0]
     matched = torch.zeros(batch, dtype=torch.long, device=token.device)
     for n in range(max_ngram, min_ngram - 1, -1):
-        match = (position < last[:, None]) & (position >= n - 1)  # j: end of an earlier n-gram
-        for offset in range(n):  # token[j - offset] == token[last - offset]
-            shifted = torch.roll(token, offset, dims=1)
-            target = token.gather(1, (last - offset).clamp(min=0)[:, None])
-            match &= (shifted == target) & (target >= 0)
+        match = ngram_matches(token, last, n)
         j = (match.long() * (position + 1)).argmax(dim=1)  # the latest j (0 when none)
         has = match.any(dim=1) & (matched == 0)
         follower = token.gather(1, (j + 1).clamp(max=slots - 1)[:, None])[:, 0]
         proposal = torch.where(has, follower, proposal)
         matched = torch.where(has, torch.full_like(matched, n), matched)
     return proposal.clamp(min=0), matched  # a pad query (nothing visible) proposes token 0
+
+
+def other_followers(token, last, proposal, matched, count: int, max_ngram: int):
+    """A lookup's candidates beside its proposal, for a token tree's leaves (fast.trees): the tokens
+    that followed the other earlier occurrences of the row's matched n-gram (n = matched[i]), latest
+    first, distinct and never the proposal, with each one's share of those occurrences. Returns
+    (others [B, count], share [B, count]); where a row has fewer (or did not match), the proposal
+    and share 0 fill the rest, so a row's alternatives are its leading ones with share > 0."""
+    position = torch.arange(token.shape[1], device=token.device)[None, :]
+    follower = torch.roll(token, -1, dims=1)  # follower[j] = token[j + 1] (j < last: inside the history)
+    occurrence = torch.zeros_like(token, dtype=torch.bool)
+    for n in range(1, max_ngram + 1):
+        occurrence |= ngram_matches(token, last, n) & (matched == n)[:, None]
+    total = occurrence.sum(dim=1).clamp(min=1)
+    taken, others, shares = proposal[:, None], [], []
+    for _ in range(count):
+        free = occurrence & (follower[:, :, None] != taken[:, None, :]).all(dim=2)
+        j = (free.long() * (position + 1)).argmax(dim=1)
+        has = free.any(dim=1)
+        other = torch.where(has, follower.gather(1, j[:, None])[:, 0], proposal)
+        share = (occurrence & (follower == other[:, None])).sum(dim=1) / total
+        others.append(other)
+        shares.append(torch.where(has, share, torch.zeros_like(share)))
+        taken = torch.cat([taken, other[:, None]], dim=1)
+    return torch.stack(others, dim=1), torch.stack(shares, dim=1)
 
 
 def one_hot_where_matched(logits, proposal, matched):
@@ -89,6 +122,8 @@ class LookupStep:
     matched: torch.Tensor
     vocab: int
     dtype: torch.dtype = torch.float32
+    others: torch.Tensor | None = None  # [R, b - 1] a token tree's leaves for lookup rows (other_followers)
+    shares: torch.Tensor | None = None  # [R, b - 1] their shares of the n-gram's occurrences (0: none)
 
     def logits(self) -> torch.Tensor:
         uniform = torch.zeros(len(self.proposal), self.vocab, dtype=self.dtype, device=self.proposal.device)

@@ -193,13 +193,13 @@ class RaggedEngine:
                        accepted if spine is None else host[3], tree)
 
     def verify_tree(self, rows, last, content, proposals: Proposals):
-        """One target forward over every row's tree (fast.trees.SiblingTrees: its chain, and the draft's
-        next most likely tokens as leaves); the chooser's choice (greedy or coupled) after every node.
+        """One target forward over every row's tree (fast.trees.SiblingTrees: its chain, and the leaves
+        the proposal rule chose); the chooser's choice (greedy or coupled) after every node.
         Returns (choice [R, P + 1] along root + accepted path, accepted [R], spine_accepted [R],
         queries, verified, tree) with the path's K/V already in the row's content slots (I3)."""
         s = self.settings
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
-        trees = SiblingTrees.of(proposals.proposed, proposals.lookup_rows, s.tree_branches, content, proposals.leaves)
+        trees = SiblingTrees.of(proposals.proposed, s.tree_branches, content, proposals.leaves)
         layout = trees.layout
         candidates = trees.candidates(last, proposals.drafted, proposals.siblings)  # [R, 1 + P * b]
         node_tokens = candidates.gather(1, dev(trees.source))  # [R, W]
