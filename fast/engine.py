@@ -85,6 +85,8 @@ class Stats:
     generated_tokens: int = 0
     row_rounds: int = 0  # sum over rounds of the rows in the round
     verified_nodes: int = 0  # draft tokens the target verified (with trees, every node but the roots)
+    leaves_verified: int = 0  # token trees: the leaves among them (nodes off the rows' chains)
+    leaves_accepted: int = 0  # ... and those accepted (a row's accepted path ends at a leaf)
     lookup_rounds: int = 0  # rounds whose proposals all came from prompt lookup: no draft model forward
     time_total: float = 0.0
     time_prefill: float = 0.0
@@ -97,12 +99,16 @@ class Stats:
     accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [j]: rows accepting it
     extra: dict = field(default_factory=dict)
 
-    def add_round(self, proposed, accepted, n, nodes: int | None = None) -> None:
+    def add_round(self, proposed, accepted, n, nodes: int | None = None, spine_accepted=None) -> None:
         """Account one round: each row's proposed drafts, accepted drafts (a prefix of its proposals,
         or a tree's accepted path) and committed tokens; nodes: draft tokens verified (a tree's nodes
-        but the roots; default: the proposals)."""
+        but the roots; default: the proposals); spine_accepted: a tree's accepted path nodes on the
+        row's chain (a path longer than that ends at a leaf)."""
         self.rounds += 1
         self.verified_nodes += int(np.sum(proposed)) if nodes is None else int(nodes)
+        self.leaves_verified += 0 if nodes is None else int(nodes) - int(np.sum(proposed))
+        if spine_accepted is not None:
+            self.leaves_accepted += int((np.asarray(accepted) > np.asarray(spine_accepted)).sum())
         self.row_rounds += len(n)
         self.drafted_tokens += int(np.sum(proposed))
         self.accepted_tokens += int(accepted.sum())
@@ -115,7 +121,8 @@ class Stats:
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in (
-            "rounds", "drafted_tokens", "accepted_tokens", "generated_tokens", "lookup_rounds", "time_total",
+            "rounds", "drafted_tokens", "accepted_tokens", "generated_tokens", "lookup_rounds", "leaves_verified",
+            "leaves_accepted", "time_total",
             "time_prefill", "time_draft", "time_verify", "time_align", "target_tokens_processed",
             "draft_tokens_processed")}
         out["mean_accepted_length"] = self.generated_tokens / self.row_rounds if self.row_rounds else 0.0
@@ -240,10 +247,9 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         else:
             break  # no row may draft this round
         if branches > 1:
-            candidates = _leaf_candidates(settings, rule, logits, dist, token, requests, content + step, found,
-                                          lookup_rows)
-            for kept, candidate in zip((siblings, runner_ups, available), candidates):
-                kept.append(candidate)
+            prices, offered = _leaf_prices(settings, rule, logits, requests, found, lookup_rows)
+            runner_ups.append(prices)
+            available.append(offered)
         ids = token[:, None]
         steps.append(ids)
         dists.append(dist)
@@ -256,6 +262,8 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         proposed += proposes
         if branches > 1:
             leaves.append(rule.leaves(step, runner_ups[-1], proposes, available[-1]))
+            siblings.append(_siblings(settings, logits, dist, token, requests, content + step, found, lookup_rows,
+                                      leaves[-1].any()))
         if not active.any():
             break
     q = _stacked(dists) if settings.chooser.needs_q else None
@@ -266,28 +274,41 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
                      np.stack(available, axis=1) if leaves else None)
 
 
-def _leaf_candidates(settings: Settings, rule, logits, dist, token, requests, positions, found, lookup_rows):
-    """One step's tree leaves (fast.trees): (siblings [R, b - 1] beside each proposal, the runner-up
-    probabilities [R, b - 1] where the rule prices them (the goodput rule), available [R]: how many
-    of the siblings are real candidates), the last two on the host (small copies). A model row's
-    siblings are the chooser's, all b - 1 of them; a lookup row's are its lookup's other followers
-    (fast.drafts.lookup_draft.other_followers), priced by their shares, where the step brings them
-    (found.others: greedy and coupled), and none elsewhere. logits None: a step of lookup rows alone."""
+def _leaf_prices(settings: Settings, rule, logits, requests, found, lookup_rows):
+    """What the proposal rule needs to choose one step's tree leaves (fast.trees), on the host (small
+    copies): the runner-up probabilities [R, b - 1] where the rule prices leaves (the goodput rule;
+    else None) and available [R], the candidates each row has: b - 1 on a model row; on a lookup
+    row, the other followers its lookup found (fast.drafts.lookup_draft.other_followers), priced by
+    their shares, where the step brings them (found.others: greedy and coupled), and none elsewhere.
+    logits None: a step of lookup rows alone."""
     most = settings.tree_branches - 1
-    if logits is None:
-        siblings, runner_ups = token[:, None].expand(-1, most), np.zeros((len(token), most))
-    else:
-        siblings = settings.chooser.siblings(logits, dist, token, requests, positions, most)
-        runner_ups = settings.chooser.runner_ups(logits, requests, most).double().cpu().numpy() \
-            if rule.decides_leaves else None
+    runner_ups = None
+    if rule.decides_leaves:
+        runner_ups = np.zeros((len(lookup_rows), most)) if logits is None else \
+            settings.chooser.runner_ups(logits, requests, most).double().cpu().numpy()
     available = np.where(lookup_rows, 0, most)
     if found is not None and found.others is not None and lookup_rows.any():
         shares = found.shares.double().cpu().numpy()
-        siblings = torch.where(torch.as_tensor(lookup_rows, device=token.device)[:, None], found.others, siblings)
         available = np.where(lookup_rows, (shares > 0).sum(axis=1), most)
         if runner_ups is not None:
             runner_ups = np.where(lookup_rows[:, None], shares, runner_ups)
-    return siblings, runner_ups, available
+    return runner_ups, available
+
+
+def _siblings(settings: Settings, logits, dist, token, requests, positions, found, lookup_rows, any_leaf: bool):
+    """[R, b - 1] one step's candidates beside each proposal, the leading ones of which are the
+    row's leaves there: the chooser's on a model row, the lookup's other followers on a lookup row.
+    Computed only where the rule gave some row a leaf this step (else copies of the proposals,
+    never read)."""
+    most = settings.tree_branches - 1
+    siblings = token[:, None].expand(-1, most)
+    if not any_leaf:
+        return siblings
+    if logits is not None:
+        siblings = settings.chooser.siblings(logits, dist, token, requests, positions, most)
+    if found is not None and found.others is not None and lookup_rows.any():
+        siblings = torch.where(torch.as_tensor(lookup_rows, device=token.device)[:, None], found.others, siblings)
+    return siblings
 
 
 def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, waiting: bool):

@@ -257,10 +257,27 @@ def test_goodput_trees_choose_each_steps_leaves_and_stay_exact(monkeypatch, mode
                                 batch_size=4, tree_branches=3, eos_token_id=[EOS], check_invariants=True,
                                 policy="goodput", **sampled)
     assert {0, 1, 2} <= set(np.concatenate(seen).tolist())
+    assert result.stats["leaves_verified"] == int(np.concatenate(seen).sum())  # the rule's leaves, all verified
     alone = specbatch.generate(target, None, PROMPTS, max_new_tokens=BUDGETS, batch_size=2, eos_token_id=[EOS],
                                **sampled)
     if mode != "rejection":
         assert result.sequences == alone.sequences
+
+
+@pytest.mark.parametrize("mode", ["greedy", "rejection"])
+def test_a_round_without_leaves_is_verified_as_chains(monkeypatch, mode):
+    """Where the rule gives no row a leaf the round runs the chain verify (no tree machinery), with
+    the chain's draws: tree_branches = 3 then gives tree_branches = 1's tokens, sampled ones too."""
+    from specbatch.fast.strategies.ragged import RaggedEngine
+    goodput_at_set_prices(monkeypatch, bar=0.55)  # a runner-up (at most 1/2) never pays; a sure proposal does
+    monkeypatch.setattr(RaggedEngine, "verify_tree", lambda *a: pytest.fail("a round without leaves verified a tree"))
+    target = tiny("llama", initializer_range=0.5)
+    sampled = {} if mode == "greedy" else dict(temperature=0.9, sampling=mode, seed=4)
+    runs = [specbatch.generate(target, second_guess(target), PROMPTS, max_new_tokens=BUDGETS, num_draft_tokens=3,
+                               batch_size=4, tree_branches=b, eos_token_id=[EOS], check_invariants=True,
+                               policy="goodput", **sampled) for b in (1, 3)]
+    assert runs[0].sequences == runs[1].sequences and runs[1].stats["leaves_verified"] == 0
+    assert runs[1].stats["drafted_tokens"] > 0
 
 
 def test_a_leaf_count_that_is_not_the_rules_is_caught(monkeypatch):
@@ -301,6 +318,7 @@ def test_a_draft_that_ranks_no_candidates_proposes_a_chain():
     runs = [specbatch.generate(target, lookup, prompts, max_new_tokens=8, tree_branches=b, **FIXED_K) for b in (1, 3)]
     assert runs[0].sequences == runs[1].sequences
     assert runs[0].stats["nodes_per_row_round"] == runs[1].stats["nodes_per_row_round"]
+    assert runs[1].stats["leaves_verified"] == runs[1].stats["leaves_accepted"] == 0
 
 
 @pytest.mark.full  # slow (a subprocess or many runs): the pre-merge profile

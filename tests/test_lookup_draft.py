@@ -376,6 +376,7 @@ def test_lookup_rows_branch_on_earlier_matches_and_stay_exact(monkeypatch, mode)
                                 tree_branches=3, check_invariants=True, **sampled)
     assert result.stats["lookup_rounds"] > 0
     assert sum(leaves for leaves, _ in seen) > 0 and sum(accepted for _, accepted in seen) >= 4
+    assert result.stats["leaves_accepted"] >= sum(accepted for _, accepted in seen)  # lookup rows' and others'
     alone = specbatch.generate(target, None, prompts, max_new_tokens=16, **sampled)
     assert result.sequences == alone.sequences
 

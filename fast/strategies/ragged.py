@@ -144,7 +144,7 @@ class RaggedEngine:
                      verdict.draft_accepted)
         with self.clock("time_align"):
             self.commit(rows, content, remaining, proposals, verdict, round_index, on_done)
-        self.stats.add_round(proposals.proposed, verdict.accepted, verdict.n, verdict.nodes)
+        self.stats.add_round(proposals.proposed, verdict.accepted, verdict.n, verdict.nodes, verdict.draft_accepted)
         s.observer.check(lambda: check_conservation(range(self.arrivals.released), self.queue.members())
                          + self._check_caches(round_index))
         s.observer.end_round(round_index)
@@ -158,8 +158,9 @@ class RaggedEngine:
         return proposals
 
     def verify(self, rows, content, remaining, proposals: Proposals) -> "Verdict":
-        """The target's verdict on each row's proposals (a tree's, fast.trees, with tree_branches > 1):
-        the tokens each row commits and how many, in one target forward."""
+        """The target's verdict on each row's proposals (a tree's, fast.trees, with tree_branches > 1
+        where the proposal rule gave any row a leaf; a round of chains is verified as chains): the
+        tokens each row commits and how many, in one target forward."""
         s = self.settings
         rows_dev = torch.as_tensor(rows, device=s.device)
         dev = lambda a: torch.as_tensor(a, device=s.device)  # noqa: E731
@@ -170,7 +171,7 @@ class RaggedEngine:
         last = self.tokens[rows_dev, dev(content - 1)]
         tokens = torch.cat([last[:, None], drafted], dim=1)  # [R, W]: row i uses its first p_i + 1
         spine, tree, nodes = None, None, int(p.sum())
-        if proposals.siblings is not None:  # one flat forward of each row's tree
+        if proposals.siblings is not None and proposals.leaves.any():  # one flat forward of each row's tree
             choice, accepted_t, spine, queries, verified, tree = self.verify_tree(rows, last, content, proposals)
             nodes = verified - len(rows)
         elif self.grouped:  # one flat forward of each row's own proposals
