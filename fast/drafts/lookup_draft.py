@@ -11,7 +11,9 @@ it cannot change the output (proofs_notes/).
 `PromptLookupDraft` is the lookup alone (its confidence: certain for a match of 2+ tokens, 0.2 for
 a single token, barely above uniform without a match, where it falls back to the last token);
 `LookupFirstDraft` puts it in front of a real draft model, which proposes wherever no n-gram of at
-least `min_match` tokens matches.
+least `min_match` tokens matches. With token trees (fast.trees) a row of a lookup-first draft that
+drafts by lookup also offers, as leaves, what followed the matched n-gram's other earlier
+occurrences (`other_followers`).
 """
 from __future__ import annotations
 
