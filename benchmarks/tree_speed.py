@@ -3,7 +3,8 @@ tree_branches = 1 (chains), 2, 3, ... at each batch size, the order alternating 
 
 For each (batch size, branches): tokens per second (median over repeats), its ratio to target-only
 decoding measured in the same repeats, tau (tokens committed per row-round), the draft nodes
-verified per row-round, and how many outputs equal target-only greedy decoding. A calibration before
+verified per row-round, the share of verified leaves accepted, and how many outputs equal
+target-only greedy decoding. A calibration before
 and after says whether the run may be quoted (specbatch.cli.calibration). Models load once; every
 run is warm (a first untimed run per batch size).
 
@@ -40,7 +41,9 @@ def timed(target, draft, ids, batch: int, new: int, branches: int | None) -> dic
     seconds = time.perf_counter() - start
     stats = result.stats
     return dict(seconds=seconds, tokens_per_second=stats["generated_tokens"] / seconds,
-                tau=stats["mean_accepted_length"], nodes=stats["nodes_per_row_round"], sequences=result.sequences)
+                tau=stats["mean_accepted_length"], nodes=stats["nodes_per_row_round"],
+                leaves=stats.get("leaves_verified", 0), leaves_accepted=stats.get("leaves_accepted", 0),
+                sequences=result.sequences)
 
 
 def main() -> None:
@@ -90,6 +93,8 @@ def main() -> None:
                              ratio=statistics.median(ratios), ratios=ratios,
                              tau=statistics.median(m["tau"] for m in mine),
                              nodes_per_row_round=statistics.median(m["nodes"] for m in mine),
+                             leaves_accepted_share=statistics.median(
+                                 m["leaves_accepted"] / m["leaves"] if m["leaves"] else 0.0 for m in mine),
                              exact=min(sum(a == c for a, c in zip(m["sequences"], b["sequences"]))
                                        for m, b in zip(mine, baseline)), requests=len(ids)))
     after = calibration.calibrate()
@@ -101,10 +106,11 @@ def main() -> None:
     lines = [f"`{report['command']}`", "", f"Machine: {report['machine']['summary']}.", "",
              calibration.describe(before, after, judged), "",
              "| batch | tree_branches | tokens/s | target-only tokens/s | speculative / target-only | tau | "
-             "nodes per row-round | exact |", "|---|---|---|---|---|---|---|---|"]
+             "nodes per row-round | leaves accepted | exact |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['branches']} | {r['tokens_per_second']:.1f} | "
               f"{r['target_only_tokens_per_second']:.1f} | {r['ratio']:.2f}x | {r['tau']:.2f} | "
-              f"{r['nodes_per_row_round']:.2f} | {r['exact']}/{r['requests']} |" for r in rows]
+              f"{r['nodes_per_row_round']:.2f} | {r['leaves_accepted_share']:.0%} | {r['exact']}/{r['requests']} |"
+              for r in rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

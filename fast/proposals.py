@@ -68,7 +68,7 @@ def goodput_leaves(runner_ups: np.ndarray, reach: np.ndarray, worth, leaf_calibr
 
 class ThresholdRule:
     """The threshold rule; threshold 0 is fixed k (every row drafts its whole limit, no confidences
-    read). Every proposal of a model row brings all tree_branches - 1 leaves."""
+    read). Every proposal brings every candidate its step has (`available`: b - 1 on a model row)."""
 
     decides_leaves = False  # leaves need no runner-up probabilities
 

@@ -189,7 +189,7 @@ class LookupFirst:
         the chooser allows it (greedy and coupled), each step also brings the followers of the matched
         n-gram's other occurrences: a lookup row's leaves (fast.trees)."""
         s, rows = self.settings, len(content)
-        branches = s.tree_branches - 1 if s.chooser.takes_lookup_leaves else 0
+        most = s.tree_branches - 1 if s.chooser.takes_lookup_leaves else 0  # leaves a lookup row may bring
         width = int(content.max()) + s.k
         work = self.tokens[rows_dev, :width].clone()
         length = torch.as_tensor(content, device=s.device)
@@ -202,9 +202,9 @@ class LookupFirst:
             history = torch.where(column < (length + step)[:, None], work, torch.full_like(work, -1))
             last = length + step - 1
             proposal, matched = latest_match(history, last, self.lookup.max_ngram, self.lookup.min_match)
-            if not branches:
+            if not most:
                 return LookupStep(proposal, matched, self.vocab, s.dtype)
-            others, shares = other_followers(history, last, proposal, matched, branches, self.lookup.max_ngram)
+            others, shares = other_followers(history, last, proposal, matched, most, self.lookup.max_ngram)
             return LookupStep(proposal, matched, self.vocab, s.dtype, others, shares)
         return step
 
