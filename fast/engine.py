@@ -225,7 +225,6 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
     rows = len(clamp)
     rule = _round_rule(settings, clamp, requests, remaining, waiting)
     steps, dists, confidences, host, siblings, leaves, runner_ups, available = [], [], [], [], [], [], [], []
-    branches = settings.tree_branches
     active, proposed = rule.limit > 0, np.zeros(rows, dtype=np.int64)
     ids, lookup_rows, model_steps = None, np.zeros(rows, dtype=bool), 0
     for step in range(int(rule.limit.max(initial=0))):
@@ -246,10 +245,10 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
         else:
             break  # no row may draft this round
-        if branches > 1:
-            prices, offered = _leaf_prices(settings, rule, logits, requests, found, lookup_rows)
-            runner_ups.append(prices)
-            available.append(offered)
+        if settings.tree_branches > 1:
+            for kept, part in zip((runner_ups, available), _leaf_prices(settings, rule, logits, requests, found,
+                                                                        lookup_rows)):
+                kept.append(part)
         ids = token[:, None]
         steps.append(ids)
         dists.append(dist)
@@ -260,7 +259,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             host.append(seen)
         proposes, active = rule.step(step, seen, active)
         proposed += proposes
-        if branches > 1:
+        if settings.tree_branches > 1:
             leaves.append(rule.leaves(step, runner_ups[-1], proposes, available[-1]))
             siblings.append(_siblings(settings, logits, dist, token, requests, content + step, found, lookup_rows,
                                       leaves[-1].any()))
@@ -287,7 +286,7 @@ def _leaf_prices(settings: Settings, rule, logits, requests, found, lookup_rows)
         runner_ups = np.zeros((len(lookup_rows), most)) if logits is None else \
             settings.chooser.runner_ups(logits, requests, most).double().cpu().numpy()
     available = np.where(lookup_rows, 0, most)
-    if found is not None and found.others is not None and lookup_rows.any():
+    if _has_lookup_leaves(found, lookup_rows):
         shares = found.shares.double().cpu().numpy()
         available = np.where(lookup_rows, (shares > 0).sum(axis=1), most)
         if runner_ups is not None:
@@ -306,9 +305,14 @@ def _siblings(settings: Settings, logits, dist, token, requests, positions, foun
         return siblings
     if logits is not None:
         siblings = settings.chooser.siblings(logits, dist, token, requests, positions, most)
-    if found is not None and found.others is not None and lookup_rows.any():
+    if _has_lookup_leaves(found, lookup_rows):
         siblings = torch.where(torch.as_tensor(lookup_rows, device=token.device)[:, None], found.others, siblings)
     return siblings
+
+
+def _has_lookup_leaves(found, lookup_rows) -> bool:
+    """Whether this step's lookup brought other followers (greedy, coupled) and some row drafts by lookup."""
+    return found is not None and found.others is not None and bool(lookup_rows.any())
 
 
 def _round_rule(settings: Settings, clamp: np.ndarray, requests, remaining, waiting: bool):
