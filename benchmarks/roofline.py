@@ -6,8 +6,11 @@ Measures, in one run:
   down, and the 49,152-row head; random weights) at each row count, in float32 and bfloat16, with
   torch's plain F.linear and with the oneDNN-prepacked kernel the engine uses on CPU;
 - the per-op overhead: one tiny element-wise op, and one tiny linear, timed in a loop;
+- row invariance: for each product of the engine's forward, up to how many rows every row of the
+  prepacked product is bitwise its one-row product, in float32 and bfloat16;
 - specbatch's own target-only decode step on SmolLM2 (warm, `generate`, ragged, all rows live):
-  (total - prefill) / new tokens per row, at batch 1 and 13, and its ratio to the products alone.
+  (total - prefill) / new tokens per row, at batch 1 and 13, in float32 and bfloat16
+  (--engine-dtypes), and its ratio to the products alone in the same dtype.
 Every product figure is the fastest of its repeats (a machine only slows a pass down); the engine's
 step is the median of its runs. A calibration before and after says whether the run may be quoted
 (specbatch.cli.calibration).
@@ -93,15 +96,46 @@ def products_table(rows_list, repeats: int) -> list[dict]:
     return table
 
 
-def engine_steps(batches, new_tokens: int, repeats: int) -> list[dict]:
-    """specbatch's target-only decode step on SmolLM2 (ragged, float32) at each batch size: the
+ENGINE_SHAPES = {"q, k, v (fused)": (576 + 2 * 192, 576), "o": (576, 576), "gate, up (fused)": (2 * 1536, 576),
+                 "down": (576, 1536), "head": (49152, 576)}  # the products of the engine's lean SmolLM2 forward
+
+
+def row_invariant_up_to(out_features: int, in_features: int, dtype, max_rows: int = 64) -> int:
+    """The largest n such that, for every row count up to n, each row of the prepacked product is
+    bitwise equal to that row's product alone (0: oneDNN does not take the dtype here). Where the
+    products of every layer stay row-invariant, a verify of n tokens rounds each token as a decode
+    step does, and speculation reproduces target-only decoding bitwise, ties included."""
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(out_features, in_features, generator=g) * in_features ** -0.5).to(dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    except RuntimeError:
+        return 0
+    x = torch.randn(max_rows, in_features, generator=g).to(dtype)
+    with torch.inference_mode():
+        product = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")  # noqa: E731
+        alone = torch.cat([product(x[i:i + 1]) for i in range(max_rows)])
+        for n in range(2, max_rows + 1):
+            if not torch.equal(product(x[:n]), alone[:n]):
+                return n - 1
+    return max_rows
+
+
+def row_invariance() -> list[dict]:
+    return [dict(product=name, shape=list(shape), **{str(d).removeprefix("torch."): row_invariant_up_to(*shape, d)
+                                                     for d in (torch.float32, torch.bfloat16)})
+            for name, shape in ENGINE_SHAPES.items()]
+
+
+def engine_steps(batches, new_tokens: int, repeats: int, dtype: str = "float32") -> list[dict]:
+    """specbatch's target-only decode step on SmolLM2 (ragged, in `dtype`) at each batch size: the
     first `batch` of the 13 shipped prompts, chat template, `new_tokens` new tokens, EOS off."""
     import specbatch
     from specbatch.cli.bench import SHIPPED_PROMPTS, select_prompts
     from specbatch.prepare import encode_prompts
     from specbatch.cli.bench import prepare_kernels
     from specbatch.options import defaults
-    target, _, tokenizer = specbatch.load("smollm2")
+    target, _, tokenizer = specbatch.load("smollm2", dtype=dtype)
     prepare_kernels(target, None, defaults())
     ids = encode_prompts([t for _, t in select_prompts(SHIPPED_PROMPTS)], tokenizer, True)
     rows = []
@@ -111,7 +145,7 @@ def engine_steps(batches, new_tokens: int, repeats: int) -> list[dict]:
             r = specbatch.generate(target, None, ids[:batch], max_new_tokens=new_tokens, batch_size=batch,
                                    eos_token_id=[])
             runs.append((r.stats["time_total"] - r.stats["time_prefill"]) / (new_tokens - 1))
-        rows.append(dict(batch=batch, step_ms=round(1000 * statistics.median(runs[1:]), 2),
+        rows.append(dict(dtype=dtype, batch=batch, step_ms=round(1000 * statistics.median(runs[1:]), 2),
                          runs_ms=[round(1000 * x, 2) for x in runs[1:]]))
         print(f"{rows[-1]}", file=sys.stderr, flush=True)
     return rows
@@ -128,14 +162,21 @@ def markdown(report: dict) -> str:
     for r in report["products"]:
         packed = [("not on this CPU" if r[k] is None else r[k]) for k in ("prepacked_ms", "head_prepacked_ms")]
         lines.append(f"| {r['dtype']} | {r['rows']} | {r['plain_ms']} | {packed[0]} | {packed[1]} |")
+    if report.get("row_invariance"):
+        lines += ["", "Row invariance of the prepacked products (the largest n such that every row count up to n "
+                  "gives each row bitwise its one-row product):", "",
+                  "| product | shape | float32 | bfloat16 |", "|---|---|---|---|"]
+        lines += [f"| {r['product']} | {r['shape'][0]} x {r['shape'][1]} | up to {r['float32']} | "
+                  f"up to {r['bfloat16']} |" for r in report["row_invariance"]]
     if report.get("engine"):
-        f32 = {r["rows"]: r for r in report["products"] if r["dtype"] == "float32"}
-        lines += ["", "| batch | specbatch decode step (ms) | products, prepacked (ms) | step / products |",
-                  "|---|---|---|---|"]
+        floors = {(r["dtype"], r["rows"]): r["prepacked_ms"] for r in report["products"]}
+        lines += ["", "| dtype | batch | specbatch decode step (ms) | products, prepacked (ms) | step / products |",
+                  "|---|---|---|---|---|"]
         for r in report["engine"]:
-            floor = f32.get(r["batch"], {}).get("prepacked_ms")
+            dtype = r.get("dtype", "float32")
+            floor = floors.get((dtype, r["batch"]))
             ratio = f"{r['step_ms'] / floor:.2f}x" if floor else "-"
-            lines.append(f"| {r['batch']} | {r['step_ms']} | {floor} | {ratio} |")
+            lines.append(f"| {dtype} | {r['batch']} | {r['step_ms']} | {floor} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -145,6 +186,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--engine-batches", default="1,13")
     ap.add_argument("--new-tokens", type=int, default=33)
+    ap.add_argument("--engine-dtypes", default="float32,bfloat16")
     ap.add_argument("--no-engine", action="store_true", help="the products only (no SmolLM2 download)")
     ap.add_argument("--out", required=True, help="a folder: roofline.json and roofline.md")
     args = ap.parse_args()
@@ -153,10 +195,11 @@ def main() -> int:
     before = calibration.calibrate()
     report = dict(machine=describe_machine(), command="python benchmarks/roofline.py " + " ".join(sys.argv[1:]),
                   calibration_before=before, bandwidth_gbs=round(bandwidth_gbs(), 2), per_op_us=per_op_us(),
-                  products=products_table([int(x) for x in args.rows.split(",")], args.repeats))
+                  products=products_table([int(x) for x in args.rows.split(",")], args.repeats),
+                  row_invariance=row_invariance())
     if not args.no_engine:
-        report["engine"] = engine_steps([int(x) for x in args.engine_batches.split(",")], args.new_tokens,
-                                        max(2, args.repeats // 3))
+        report["engine"] = [step for dtype in args.engine_dtypes.split(",") for step in engine_steps(
+            [int(x) for x in args.engine_batches.split(",")], args.new_tokens, max(2, args.repeats // 3), dtype)]
     report["calibration_after"] = calibration.calibrate()
     report["verdict"] = calibration.verdict(before, report["calibration_after"])
     (out / "roofline.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -107,9 +107,12 @@ def test_bench_writes_table_json_and_plots(folders, prompt_file, tmp_path):
     data = json.loads((out / "bench.json").read_text())
     methods = {(r["method"], r["batch"]) for r in data["rows"]}
     assert {("ar", 1), ("ar", 2), ("spec1", 1), ("hf-assisted", 1), ("ragged", 2), ("exspec", 2)} <= methods
-    assert all(r["exact"] == f"{len(PROMPTS)}/{len(PROMPTS)}" for r in data["rows"] if "like" not in r["method"])
-    broken = [int(r["exact"].split("/")[0]) for r in data["rows"] if "like" in r["method"]]
-    assert len(broken) == 4 and min(broken) < len(PROMPTS)
+    assert all(r["exact"] == f"{len(PROMPTS)}/{len(PROMPTS)}" and r["ties"] == r["errors"] == 0
+               for r in data["rows"] if "like" not in r["method"])
+    broken = [r for r in data["rows"] if "like" in r["method"]]  # their divergences are judged errors, not ties
+    assert len(broken) == 4 and min(r["exact_count"] for r in broken) < len(PROMPTS)
+    assert all(r["exact_count"] + r["errors"] == len(PROMPTS) and "ERROR" in r["exact"] for r in broken
+               if r["exact_count"] < len(PROMPTS))
     assert all(r["vs_ar"] > 0 for r in data["rows"])
     assert "| ragged | 2 |" in (out / "bench.md").read_text()
     assert [r["method"] for r in data["arrivals"]] == ["ar", "eqspec", "exspec", "ragged"]
@@ -148,6 +151,28 @@ def test_bench_alternates_method_order_and_pairs_ratios_by_repeat(folders, promp
     assert "(1.00x)" in (out / "bench.md").read_text()
 
 
+def test_bench_judges_a_divergence_at_equal_logits_a_tie_and_a_worse_token_an_error(folders, prompt_file):
+    """bench's exact cell: bitwise, else the first divergence judged by the ulp rule (bfloat16 outputs
+    differ from batch to batch at equal logits); under sampling nothing is judged."""
+    from transformers import AutoModelForCausalLM
+    from specbatch.cli.bench import Judge, agreement
+    model = AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float64)
+    ids = [[2, 5, 7], [3, 4]]
+    reference = specbatch.generate(model, None, ids, max_new_tokens=4, batch_size=1, eos_token_id=[]).sequences
+    logits = torch.stack([model(torch.tensor([p + r[:1]])).logits[0, -1] for p, r in zip(ids, reference)])
+    worst = logits.argmin(-1).tolist()  # after the first token, each request takes its least likely token
+    wrong = [r[:1] + [w] + r[2:] for r, w in zip(reference, worst)]
+    assert Judge(model, ids, reference, greedy=True)([reference[0], wrong[1]]) == dict(exact=1, ties=0, errors=1)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit equal: any divergence is a tie
+        if model.lm_head.bias is not None:
+            model.lm_head.bias.zero_()
+    assert Judge(model, ids, reference, greedy=True)(wrong) == dict(exact=0, ties=2, errors=0)
+    assert Judge(model, ids, reference, greedy=False)(wrong) == dict(exact=0, ties=None, errors=None)
+    assert agreement(dict(exact=4, ties=8, errors=1), 13)["exact"] == "4/13 +8 ties, 1 ERROR"
+    assert agreement(dict(exact=12, ties=1, errors=0), 13)["exact"] == "12/13 +1 tie"
+
+
 def test_bench_compares_another_engines_results(folders, prompt_file, tmp_path, capsys):
     """--compare: another engine's tokens/s (its own timing) and its exact match against the reference."""
     want = expected(folders)
@@ -163,7 +188,7 @@ def test_bench_compares_another_engines_results(folders, prompt_file, tmp_path, 
                  "--out-dir", str(out)]) == 0
     data = json.loads((out / "bench.json").read_text())
     [row] = data["peers"]
-    assert row["exact"] == f"{len(PROMPTS) - 1}/{len(PROMPTS)}"
+    assert row["exact"] == f"{len(PROMPTS) - 1}/{len(PROMPTS)} 1 ERROR" and (row["ties"], row["errors"]) == (0, 1)
     assert row["tokens_per_second"] == pytest.approx(sum(len(t) for t in want) / 2.0)
     assert "| fake engine |" in (out / "bench.md").read_text()
     bad = tmp_path / "bad_peer.jsonl"

@@ -216,8 +216,47 @@ def read_peer(path, ident_order, UserError) -> tuple[dict, list]:
     return lines[0], [by_id.get(ident) for ident in ident_order]
 
 
-def peer_rows(peers, reference) -> list[dict]:
-    """Table rows of other engines: peers is [(path, header, sequences)] from read_peer."""
+class Judge:
+    """Each output against the reference (target-only greedy at batch 1): bitwise equal, or its first
+    divergence judged a floating-point tie or an error by the ulp rule of the target's dtype
+    (fast.equivalence.compare; in bfloat16 two tokens' logits are often equal, and a batch shape
+    that rounds one product differently picks the other). Under sampling every output is only
+    compared (ties: None). Verdicts are memoised by (request, tokens): repeats mostly repeat them."""
+
+    def __init__(self, target, ids, reference, greedy: bool):
+        self.target, self.ids, self.reference, self.greedy = target, ids, reference, greedy
+        self.memo: dict = {}
+
+    def __call__(self, sequences) -> dict:
+        """{"exact", "ties", "errors"}: counts over the requests (None: not judged, under sampling)."""
+        from ..fast.equivalence import compare
+        exact, kinds = 0, []
+        for i, (got, want) in enumerate(zip(sequences, self.reference)):
+            if got is None or got == want:
+                exact += got is not None
+                continue
+            key = (i, tuple(got))
+            if self.greedy and key not in self.memo:
+                self.memo[key] = compare(self.target, [self.ids[i]], [got], [want])[0]["kind"]
+            kinds.append(self.memo.get(key))
+        if not self.greedy:
+            return dict(exact=exact, ties=None, errors=None)
+        return dict(exact=exact, ties=kinds.count("tie"), errors=kinds.count("error"))
+
+
+def agreement(counts: dict, num_prompts: int) -> dict:
+    """A row's `exact` cell ("12/13", "4/13 +9 ties", "4/13 +8 ties, 1 ERROR") with its counts."""
+    cell = f"{counts['exact']}/{num_prompts}"
+    if counts["ties"]:
+        cell += f" +{counts['ties']} tie" + ("s" if counts["ties"] > 1 else "")
+    if counts["errors"]:
+        cell += (", " if counts["ties"] else " ") + f"{counts['errors']} ERROR" + ("S" if counts["errors"] > 1 else "")
+    return dict(exact=cell, exact_count=counts["exact"], ties=counts["ties"], errors=counts["errors"])
+
+
+def peer_rows(peers, judge) -> list[dict]:
+    """Table rows of other engines: peers is [(path, header, sequences)] from read_peer; judge: a
+    Judge of the reference (a missing request is neither exact nor judged)."""
     rows = []
     for path, header, sequences in peers:
         generated = sum(len(s) for s in sequences if s is not None)
@@ -225,8 +264,7 @@ def peer_rows(peers, reference) -> list[dict]:
         rows.append(dict(method=str(header.get("label") or header.get("engine") or path), file=str(path),
                          tokens_per_second=generated / header["seconds"] if header["seconds"] else float("nan"),
                          seconds=header["seconds"], generated_tokens=generated, missing=missing,
-                         exact=f"{sum(s == r for s, r in zip(sequences, reference))}/{len(reference)}",
-                         header=header))
+                         header=header, **agreement(judge(sequences), len(judge.reference))))
     return rows
 
 
@@ -417,6 +455,8 @@ def run_bench(args, opts: GenerateOptions) -> int:
     finally:
         journal.finish()
     after = calibration.calibrate()
+    judge = Judge(target, ids, reference, greedy=not opts.temperature)  # after the timed runs: costs forwards
+    judge_runs(runs, judge)
     rows = summary_rows(runs, len(ids))
     machine = describe_machine(opts.device)
     setup = dict(target=args.target, draft=args.draft, prompts=str(prompt_file), num_prompts=len(ids),
@@ -426,7 +466,7 @@ def run_bench(args, opts: GenerateOptions) -> int:
     latency_rows = (arrival_bench(target, draft, ids, args, opts, max(args.batch_sizes), methods)
                     if args.arrival_rate else [])
     report = dict(machine=machine, setup=setup, rows=rows, arrivals=latency_rows, arrival_rate=args.arrival_rate,
-                  peers=peer_rows(peer_data, reference), calibration=dict(
+                  peers=peer_rows(peer_data, judge), calibration=dict(
                       before=before, after=after, verdict=calibration.verdict(before, after),
                       resumed_runs=len(journal_kept)))
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
@@ -440,8 +480,8 @@ def run_bench(args, opts: GenerateOptions) -> int:
 
 def _run_units(units, journal, target, draft, ids, opts: GenerateOptions, eos_ids, repeats: int):
     """Run every unit the journal does not hold yet (each kept in the journal at once); returns
-    ({(method, batch): [stats of each repeat, with `exact`: outputs equal to the reference]}, the
-    reference: target-only greedy outputs at batch 1)."""
+    ({(method, batch): [stats of each repeat, with its `sequences`]}, the reference: target-only greedy
+    outputs at batch 1)."""
     import specbatch
     runs: dict = {}
     reference = None  # target-only greedy at batch 1: the first "ar" run at batch 1, else its own run
@@ -461,21 +501,29 @@ def _run_units(units, journal, target, draft, ids, opts: GenerateOptions, eos_id
         if reference is None:
             reference = done["sequences"]
         if method != "reference":
-            exact = sum(s == r for s, r in zip(done["sequences"], reference))
             stats = {k: float("nan") if v is None else v for k, v in done["stats"].items()}
-            runs.setdefault((method, b), []).append(dict(stats, exact=exact, repeat=repeat))
+            runs.setdefault((method, b), []).append(dict(stats, sequences=done["sequences"], repeat=repeat))
     return runs, reference
 
 
+def judge_runs(runs: dict, judge: Judge) -> None:
+    """Each run's outputs (taken out of it) become its counts against the reference: exact, ties, errors."""
+    for reps in runs.values():
+        for run in reps:
+            run.update(judge(run.pop("sequences")))
+
+
 def summary_rows(runs: dict, num_prompts: int) -> list[dict]:
-    """One row per (method, batch): the repeats' means, the exact count, and the ratios over ar (each
+    """One row per (method, batch): the repeats' means, the worst repeat's agreement with the reference
+    (the most errors, then the fewest exact), and the ratios over ar (each
     repeat paired with ar's same repeat) and over spec1."""
     rows = []
     for (method, batch), reps in runs.items():
         row = {key: sum(r[key] for r in reps) / len(reps) for key in (
             "tokens_per_second", "mean_accepted_length", "acceptance_rate", "time_draft", "time_verify",
             "time_align", "time_prefill", "time_total", "align_share")}
-        row.update(method=method, batch=batch, exact=f"{min(r['exact'] for r in reps)}/{num_prompts}",
+        worst = max(reps, key=lambda r: (r["errors"] or 0, -r["exact"]))  # the repeat the exact cell reports
+        row.update(method=method, batch=batch, **agreement(worst, num_prompts),
                    tokens_per_second_runs=[r["tokens_per_second"] for r in reps])
         rows.append(row)
     by = {(r["method"], r["batch"]): r for r in rows}
