@@ -2,10 +2,17 @@
 floating-point tie or an algorithmic error.
 
 A divergence is a tie when, at that position, the reference's logit for its own token exceeds its
-logit for the candidate's token by no more than the rounding noise of the forward pass. That noise scales with the logits' magnitude and with the
-precision, so the rule counts ulps of the model's dtype at the top logit:
+logit for the candidate's token by no more than the rounding noise of the forward pass. That noise
+scales with the precision and with the size of the vectors whose products make the logits (the
+last hidden state and the head's rows), not with the top logit itself: a logit is h . w_t, and
+rounding h moves every logit by about eps x |h| x |w_t|. The largest |logit| of the row is the
+yardstick of that size the logits themselves give, so the rule counts ulps of the model's dtype at it:
 
-    tie  <=>  logit[reference token] - logit[candidate token] <= ulps x ulp(|top-1 logit|)
+    tie  <=>  logit[reference token] - logit[candidate token] <= ulps x ulp(max_t |logit[t]|)
+
+(Measured in bfloat16 on SmolLM2: where the top logit was 2.0 and the row's largest |logit| 39.75,
+batch 13 and batch 1 rounded the top two tokens 0.16 apart, 10 ulps at the top logit but under 1
+at 39.75; in float32 the two tokens were 0.04 apart.)
 
 with a default per dtype (`TIE_ULPS`). float32 and float64 accumulate long dot products in their
 own precision, and a different batch shape or kernel changes the summation order: logits move by
@@ -61,7 +68,7 @@ def compare(model, prompts, sequences, references, tolerance: float | None = Non
     took the runner-up); the verdict is a tie when the gap is within the threshold, an algorithmic
     error otherwise. Where one sequence simply ends earlier (EOS or length), the margin is used.
     threshold: `tolerance` (absolute) if given, else `ulps` (default TIE_ULPS of the model's dtype)
-    ulps of the dtype at the top logit; `margin_ulps` and `gap_ulps` give both in those units."""
+    ulps of the dtype at the row's largest |logit|; `margin_ulps` and `gap_ulps` give both in those units."""
     dtype = next(model.parameters()).dtype
     ulps = TIE_ULPS.get(dtype, 4) if ulps is None else ulps
     reports = []
@@ -75,7 +82,7 @@ def compare(model, prompts, sequences, references, tolerance: float | None = Non
         top = logits.topk(2).values
         margin = float(top[0] - top[1])
         gap = float(logits[want[j]] - logits[got[j]]) if j < len(got) and j < len(want) else margin
-        spacing = ulp(float(top[0]), dtype)
+        spacing = ulp(float(logits.abs().max()), dtype)
         threshold = tolerance if tolerance is not None else ulps * spacing
         reports.append(dict(request=i, exact=False, index=j, margin=margin, gap=gap, margin_ulps=margin / spacing,
                             gap_ulps=gap / spacing, threshold=threshold, kind="tie" if gap <= threshold else "error"))

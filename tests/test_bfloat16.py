@@ -39,3 +39,25 @@ def test_an_algorithmic_divergence_in_bfloat16_is_not_called_a_tie():
     assert reports[1]["exact"] is False and reports[1]["index"] == 3 and reports[1]["kind"] == "error"
     assert reports[1]["gap_ulps"] > TIE_ULPS[torch.bfloat16] >= 0
     assert all(r["exact"] for i, r in enumerate(reports) if i != 1)
+
+
+def test_the_tie_rule_counts_ulps_at_the_rows_largest_logit_not_its_top(monkeypatch):
+    """The rounding noise of a logit h . w follows |h| |w|, which the row's largest |logit| shows and a
+    small top logit hides: SmolLM2 in bfloat16 put its top two tokens 0.164 apart (2.0 and 1.836)
+    at one row count and in the other order at another, with logits down to -39.75 in the row. That
+    is a tie (4 ulps at 39.75: 1.0); the same gap where every logit is small is an error."""
+    import specbatch.fast.equivalence as equivalence
+    target = tiny("llama", dtype=torch.bfloat16)
+    row = torch.full((VOCAB,), -1.0, dtype=torch.float64)
+    row[5], row[6] = 2.0, 1.8359375
+
+    def crafted(model, prefix):
+        return row.clone()
+    monkeypatch.setattr(equivalence, "next_logits", crafted)
+    row[7] = -39.75
+    [report] = compare(target, [[1, 2]], [[6]], [[5]])
+    assert report["kind"] == "tie" and report["gap"] == pytest.approx(0.1640625)
+    assert report["threshold"] == 4 * ulp(39.75, torch.bfloat16) == 1.0
+    row[7] = -1.0  # every logit small: 4 ulps at 2.0 is 0.0625
+    [report] = compare(target, [[1, 2]], [[6]], [[5]])
+    assert report["kind"] == "error" and report["threshold"] == 4 * ulp(2.0, torch.bfloat16)

@@ -173,6 +173,20 @@ def test_bench_judges_a_divergence_at_equal_logits_a_tie_and_a_worse_token_an_er
     assert agreement(dict(exact=12, ties=1, errors=0), 13)["exact"] == "12/13 +1 tie"
 
 
+def test_bench_row_reports_the_repeat_that_agrees_least():
+    """A method's exact cell is its worst repeat's: an error in any repeat shows, whatever the others."""
+    from specbatch.cli.bench import summary_rows
+    timing = dict(tokens_per_second=10.0, mean_accepted_length=1.0, acceptance_rate=0.0, time_draft=0.0,
+                  time_verify=1.0, time_align=0.0, time_prefill=0.0, time_total=1.0, align_share=0.0)
+    runs = {("ragged", 4): [dict(timing, repeat=0, exact=13, ties=0, errors=0),
+                            dict(timing, repeat=1, exact=12, ties=0, errors=1),
+                            dict(timing, repeat=2, exact=10, ties=3, errors=0)]}
+    [row] = summary_rows(runs, 13)
+    assert (row["exact"], row["errors"]) == ("12/13 1 ERROR", 1)
+    runs[("ragged", 4)].pop(1)
+    assert summary_rows(runs, 13)[0]["exact"] == "10/13 +3 ties"
+
+
 def test_bench_compares_another_engines_results(folders, prompt_file, tmp_path, capsys):
     """--compare: another engine's tokens/s (its own timing) and its exact match against the reference."""
     want = expected(folders)

@@ -368,7 +368,7 @@ def cmd_verify(args) -> int:
         if not r["exact"]:
             verdict = "floating-point tie" if r["kind"] == "tie" else "ALGORITHMIC ERROR"
             print(f"  request {prompts[r['request']][0]}: first divergence at new token {r['index']}, reference "
-                  f"top-2 margin {r['margin']:.3g} ({r['margin_ulps']:.1f} ulps of {opts.dtype} at the top logit) -> "
+                  f"top-2 margin {r['margin']:.3g} ({r['margin_ulps']:.1f} ulps of {opts.dtype} at the row's largest |logit|) -> "
                   f"{verdict} (tie threshold {r['threshold']:.3g})")
     return leave(code) if size > 1 else code
 
@@ -922,7 +922,7 @@ def _add_verify(sub) -> None:
     add_decoding_args(p)
     p.add_argument("--tie-ulps", type=non_negative_float, default=None,
                    help="a divergence is a floating-point tie when the reference's top-2 logit margin is at most "
-                        "this many ulps of the dtype at the top logit (default: 4096 float64, 512 float32, "
+                        "this many ulps of the dtype at the row's largest |logit| (default: 4096 float64, 512 float32, "
                         "4 bfloat16/float16)")
     p.add_argument("--tie-tolerance", type=non_negative_float, default=None,
                    help="an absolute top-2 margin to use instead of --tie-ulps")

@@ -35,6 +35,9 @@ PROCESSOR_VECTORS = ["tests/test_processor_vectors.py"]
 TREES = ["tests/test_reference_trees.py"]
 TREE_VERIFY = ["tests/test_tree_verify.py"]
 ENGINE_TREES = ["tests/test_engine_trees.py"]
+BENCH_JUDGE = ["tests/test_cli.py::test_bench_judges_a_divergence_at_equal_logits_a_tie_and_a_worse_token_an_error",
+               "tests/test_cli.py::test_bench_row_reports_the_repeat_that_agrees_least",
+               "tests/test_cli.py::test_bench_compares_another_engines_results"]
 
 MUTANTS = [
     # ---- masks
@@ -598,6 +601,15 @@ MUTANTS = [
     ("manifest-digest-sorts-int-keys-as-numbers", "conformance", "specbatch/conformance/greedy.py",
      "fields_as_stored = json.loads(json.dumps({k: manifest.get(k) for k in fields}))",
      "fields_as_stored = {k: manifest.get(k) for k in fields}", HOSTILE),
+    ("bench-judge-calls-every-divergence-a-tie", "bench", "specbatch/cli/bench.py",
+     'self.memo[key] = compare(self.target, [self.ids[i]], [got], [want])[0]["kind"]',
+     'self.memo[key] = "tie"', BENCH_JUDGE),
+    ("bench-exact-cell-reports-the-best-repeat", "bench", "specbatch/cli/bench.py",
+     'worst = max(reps, key=lambda r: (r["errors"] or 0, -r["exact"]))',
+     'worst = min(reps, key=lambda r: (r["errors"] or 0, -r["exact"]))', BENCH_JUDGE),
+    ("tie-rule-counts-ulps-at-the-top-logit", "equivalence", "fast/equivalence.py",
+     "spacing = ulp(float(logits.abs().max()), dtype)", "spacing = ulp(float(top[0]), dtype)",
+     ["tests/test_bfloat16.py::test_the_tie_rule_counts_ulps_at_the_rows_largest_logit_not_its_top"]),
     ("sampled-tail-test-counts-the-head", "conformance", "specbatch/conformance/sampled.py",
      "tail = int((pit[kept] > 1 - TAIL_MASS).sum())", "tail = int((pit[kept] < TAIL_MASS).sum())", SAMPLED_TAIL),
 ]
