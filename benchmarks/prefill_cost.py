@@ -1,6 +1,9 @@
 """Prefill cost of a workload: packed (the engine's way), one prompt per forward, and the padded
-rectangle the engine used before, all through the same forward path (engine attention, prepacked
-linear layers) into the same slot cache.
+rectangle the engine used before, all through the engine's forward path (its lean forward and
+attention, prepacked linear layers) into the same slot cache, beside the floor: the linear
+products of the engine's packs alone (each pack's tokens through every layer's prepacked products,
+the head on one row per pack). The variants alternate, in reverse order every second repeat, and a
+calibration before and after says whether the run may be quoted (specbatch.cli.calibration).
 
     python benchmarks/prefill_cost.py --target smollm2 --prompts prompts.jsonl --per-category 1 \
         --chat-template [--dtype bfloat16] [--repeats 3]
@@ -23,7 +26,9 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    from specbatch.cli import calibration
     from specbatch.cli.bench import select_prompts
+    from specbatch.cli.machine import describe_machine
     from specbatch.prepare import encode_prompts
     from specbatch.fast.compute import prefill
     from specbatch.fast.compute.attention import engine_attention
@@ -40,7 +45,7 @@ def main():
     dtype = next(model.parameters()).dtype
     settings = Settings(k=0, eos_ids=(), window=None, dtype=dtype, device=torch.device("cpu"),
                         fill=mask_fill_value(dtype))
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, lean=True)  # as the engine runs it (lean=True by default)
     rows, width = len(contents), max(len(c) for c in contents)
 
     def packed(budget):
@@ -61,24 +66,56 @@ def main():
         pos, mask = ragged_inputs(query, width, None, dtype, settings.fill)
         runner(ids, pos, mask, cache, last_only=True)
 
-    results = {}
-    with torch.inference_mode(), engine_attention(model), prepacked_linears(model):
+    variants = {f"packed, {prefill.PACK_TOKENS}-token packs (the engine)": packed(prefill.PACK_TOKENS),
+                "one prompt per forward": packed(1), "padded rectangle, one forward": rectangle}
+    times = {name: [] for name in variants}
+    leans = [runner.lean] if runner.lean is not None else []
+    skip = [m for lean in leans for m in lean.replaced]
+    with torch.inference_mode(), engine_attention(model), prepacked_linears(model, *leans, skip=skip):
         packed(prefill.PACK_TOKENS)()  # warm up (and prepack)
-        for name, run in ((f"packed, {prefill.PACK_TOKENS}-token packs (the engine)", packed(prefill.PACK_TOKENS)),
-                          ("one prompt per forward", packed(1)), ("padded rectangle, one forward", rectangle)):
-            times = []
-            for _ in range(args.repeats):
+        pack_sizes = [sum(len(contents[i]) for i in pack) for pack in prefill.plan_packs([len(c) for c in contents])]
+        before = calibration.calibrate()
+        for repeat in range(args.repeats):
+            for name in (list(variants) if repeat % 2 == 0 else list(variants)[::-1]):
                 start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            results[name] = statistics.median(times)
+                variants[name]()
+                times[name].append(time.perf_counter() - start)
+        floor = products_floor(leans[0] if leans else model, pack_sizes)
+        after = calibration.calibrate()
+    results = {name: statistics.median(t) for name, t in times.items()}
     real = sum(len(c) for c in contents)
     one = results["one prompt per forward"]
     print(f"{rows} prompts, {real} real tokens to prefill ({rows} x {width} = {rows * width} padded), {args.dtype}, "
-          f"median of {args.repeats}\n")
-    print("| prefill | seconds | vs one prompt per forward |\n|---|---|---|")
+          f"median of {args.repeats}, alternating; machine: {describe_machine()['summary']}\n")
+    print(calibration.describe(before, after, calibration.verdict(before, after)) + "\n")
+    print("| prefill | seconds | vs one prompt per forward | vs the products of the engine's packs |\n|---|---|---|---|")
     for name, seconds in results.items():
-        print(f"| {name} | {seconds:.2f} | {seconds / one:.2f}x |")
+        print(f"| {name} | {seconds:.2f} | {seconds / one:.2f}x | {seconds / floor:.2f}x |")
+    print(f"| the linear products of the engine's {len(pack_sizes)} packs alone | {floor:.2f} | | 1.00x |")
+
+
+def products_floor(model, pack_sizes: list[int], repeats: int = 3) -> float:
+    """Seconds of the linear products of a packed prefill alone: each pack's tokens through every
+    linear layer of `model` but its output head (inside prepacked_linears: the engine's kernels),
+    and the head on one row per pack (logits_to_keep=1); the fastest of `repeats` passes."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.head
+    dtype = next(model.parameters()).dtype
+
+    inputs = {(tokens, width): torch.randn(1, tokens, width, dtype=dtype)
+              for tokens in set(pack_sizes) | {1} for width in {m.in_features for m in linears}}
+
+    def once():
+        for tokens in pack_sizes:
+            for m in linears:
+                m(inputs[(1 if m is head else tokens, m.in_features)])
+    once()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 if __name__ == "__main__":

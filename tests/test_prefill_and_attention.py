@@ -51,12 +51,17 @@ def test_packed_prefill_leaves_the_kv_of_unpadded_prefills(monkeypatch, budget):
     model = long_target()
     runner, settings = ModelRunner(model), settings_for(model)
     contents = [p[:-1] for p in LONG]
+    forwards, forward = [], ModelRunner.__call__
+    monkeypatch.setattr(ModelRunner, "__call__", lambda self, ids, *a, **k: forwards.append(ids.shape[1]) or
+                        forward(self, ids, *a, **k))
     slots = [5, 0, 3, 7, 1, 2, 6, 4]  # rows land in arbitrary slots
     cache = SlotCache(runner.num_layers, 8, 720, settings.device)
     settings.observer = checker = InvariantChecker()
     prefill_into(runner, cache, contents, slots, [0] * len(contents), settings)
     assert checker.found == []
     assert runner.tokens_processed == sum(len(c) for c in contents)  # real tokens only
+    # one forward per pack of the budget in force (a longer prompt alone)
+    assert forwards == [sum(len(contents[i]) for i in pack) for pack in plan_packs([len(c) for c in contents], budget)]
     for content, slot in zip(contents, slots):
         if not content:
             continue

@@ -27,10 +27,12 @@ from .slot_cache import SlotCache
 PACK_TOKENS = 512
 
 
-def plan_packs(lengths: list[int], budget: int = PACK_TOKENS) -> list[list[int]]:
-    """Indices of the prompts in each pack, in order: consecutive prompts while they fit the budget.
+def plan_packs(lengths: list[int], budget: int | None = None) -> list[list[int]]:
+    """Indices of the prompts in each pack, in order: consecutive prompts while they fit the budget
+    (None: PACK_TOKENS as it is at the call, so that a caller may change it).
 
     Prompts of length 0 (nothing to prefill) are left out."""
+    budget = PACK_TOKENS if budget is None else budget
     packs, current, used = [], [], 0
     for i, n in enumerate(lengths):
         if n == 0:

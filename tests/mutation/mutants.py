@@ -610,6 +610,9 @@ MUTANTS = [
     ("tie-rule-counts-ulps-at-the-top-logit", "equivalence", "fast/equivalence.py",
      "spacing = ulp(float(logits.abs().max()), dtype)", "spacing = ulp(float(top[0]), dtype)",
      ["tests/test_bfloat16.py::test_the_tie_rule_counts_ulps_at_the_rows_largest_logit_not_its_top"]),
+    ("pack-budget-fixed-at-import", "prefill", "fast/compute/prefill.py",
+     "budget = PACK_TOKENS if budget is None else budget", "budget = 512 if budget is None else budget",
+     ["tests/test_prefill_and_attention.py::test_packed_prefill_leaves_the_kv_of_unpadded_prefills"]),
     ("sampled-tail-test-counts-the-head", "conformance", "specbatch/conformance/sampled.py",
      "tail = int((pit[kept] > 1 - TAIL_MASS).sum())", "tail = int((pit[kept] < TAIL_MASS).sum())", SAMPLED_TAIL),
 ]
