@@ -12,8 +12,8 @@ and, at every answer position, the target's top logits (so the checker needs no 
 `check_outputs(vectors, outputs)` compares an engine's outputs (id + token_ids, or text only) with
 the reference: per request exact, or the first divergence, the reference's top-2 margin there and
 the verdict (a floating-point tie when the reference's logit for its own token exceeds the
-candidate's by at most `ulps` ulps of the dtype at the top logit, fast.equivalence's rule; else
-algorithmic). Missing, extra and duplicated ids count against conformance.
+candidate's by at most `ulps` ulps of the dtype at the top stored logit: fast.equivalence's rule,
+which counts at the row's largest |logit|, as far as the stored top logits tell; else algorithmic). Missing, extra and duplicated ids count against conformance.
 """
 from __future__ import annotations
 
