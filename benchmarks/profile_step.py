@@ -1,7 +1,7 @@
 """Where a decoding step's time goes: the engine's target-only step against a bare forward.
 
-Profiles `specbatch.generate` (ragged, target only) on a prompt file twice, with 1 and with
-1 + STEPS new tokens, and subtracts the two runs' operator totals: what remains is STEPS decoding
+Profiles `specbatch.generate` (ragged, target only) on a prompt file twice, with 2 and with
+2 + STEPS new tokens, and subtracts the two runs' operator totals: what remains is STEPS decoding
 steps, split into linear layers (matmul), attention, cache writes, masks/positions and the rest.
 Beside it: a bare transformers forward (DynamicCache, no masks) at the same batch size and the
 rows' mean context length, the floor for a step that runs the same layers.
@@ -76,8 +76,10 @@ def main():
     args = ap.parse_args()
     model, ids = load_ids(args)
     op_times(model, ids, 2)  # warm up
-    base, _ = op_times(model, ids, 1)
-    full, stats = op_times(model, ids, 1 + args.steps)
+    # both runs decode (a 1-token run stops after the prefill and never allocates the decode cache,
+    # whose zeroing would then count as STEPS steps' work)
+    base, _ = op_times(model, ids, 2)
+    full, stats = op_times(model, ids, 2 + args.steps)
     parts: dict = {}
     for name, ms in full.items():
         extra = (ms - base.get(name, 0.0)) / args.steps
