@@ -334,18 +334,21 @@ def specbatch_attention(module, query, key, value, attention_mask, dropout: floa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    dtype = query.dtype
+    if key.dtype != dtype:  # a wider cache (float32 K/V of a bfloat16 model): widen the queries once, not per part
+        query = query.to(key.dtype)
     if plan.flat is not None:
         out = flat_attention(query, key, value, scaling, softcap)
     elif plan.segments is not None and query.shape[2] >= SDPA_MIN_QUERIES and softcap is None:
         out = segment_attention(query, key, value, plan.segments, scaling)
-    elif query.shape[2] >= SDPA_MIN_QUERIES and query.dtype in (torch.float32, torch.float64) and softcap is None:
+    elif query.shape[2] >= SDPA_MIN_QUERIES and dtype in (torch.float32, torch.float64) and softcap is None:
         length = max(length for _, length in plan.parts) if plan.parts else key.shape[2]
         mask = None if attention_mask is None else attention_mask[..., :length]
         out = F.scaled_dot_product_attention(query, key[:, :, :length], value[:, :, :length], attn_mask=mask,
                                              scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     else:
         out = grouped_attention(query, key, value, attention_mask, scaling, softcap)
-    return out.transpose(1, 2).contiguous(), None
+    return out.to(dtype).transpose(1, 2).contiguous(), None
 
 
 def uses_engine_attention(module) -> bool:
