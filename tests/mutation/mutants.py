@@ -613,6 +613,9 @@ MUTANTS = [
     ("pack-budget-fixed-at-import", "prefill", "fast/compute/prefill.py",
      "budget = PACK_TOKENS if budget is None else budget", "budget = 512 if budget is None else budget",
      ["tests/test_prefill_and_attention.py::test_packed_prefill_leaves_the_kv_of_unpadded_prefills"]),
+    ("widened-queries-left-wide", "attention", "fast/compute/attention.py",
+     "return out.to(dtype).transpose(1, 2).contiguous(), None", "return out.transpose(1, 2).contiguous(), None",
+     ["tests/test_bfloat16.py"]),
     ("sampled-tail-test-counts-the-head", "conformance", "specbatch/conformance/sampled.py",
      "tail = int((pit[kept] > 1 - TAIL_MASS).sum())", "tail = int((pit[kept] < TAIL_MASS).sum())", SAMPLED_TAIL),
 ]
