@@ -48,10 +48,10 @@ def timed(target, draft, ids, batch: int, new: int, branches: int | None) -> dic
 
 
 def worst_agreement(target, ids, mine: list[dict], baseline: list[dict]) -> dict:
-    """The repeat that agrees least with its own target-only run (the most errors, then the fewest exact)."""
-    from specbatch.cli.bench import Judge
-    counts = [Judge(target, ids, b["sequences"], greedy=True)(m["sequences"]) for m, b in zip(mine, baseline)]
-    return max(counts, key=lambda c: (c["errors"], -c["exact"]))
+    """The repeat that agrees least with its own target-only run (specbatch.cli.bench.least_agreeing)."""
+    from specbatch.cli.bench import Judge, least_agreeing
+    return least_agreeing([Judge(target, ids, b["sequences"], greedy=True)(m["sequences"])
+                           for m, b in zip(mine, baseline)])
 
 
 def main() -> None:

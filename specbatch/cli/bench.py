@@ -244,6 +244,11 @@ class Judge:
         return dict(exact=exact, ties=kinds.count("tie"), errors=kinds.count("error"))
 
 
+def least_agreeing(counts: list[dict]) -> dict:
+    """Of several runs' counts (Judge), the one that agrees least: the most errors, then the fewest exact."""
+    return max(counts, key=lambda c: (c["errors"] or 0, -c["exact"]))
+
+
 def agreement(counts: dict, num_prompts: int) -> dict:
     """A row's `exact` cell ("12/13", "4/13 +9 ties", "4/13 +8 ties, 1 ERROR") with its counts."""
     cell = f"{counts['exact']}/{num_prompts}"
@@ -522,8 +527,7 @@ def summary_rows(runs: dict, num_prompts: int) -> list[dict]:
         row = {key: sum(r[key] for r in reps) / len(reps) for key in (
             "tokens_per_second", "mean_accepted_length", "acceptance_rate", "time_draft", "time_verify",
             "time_align", "time_prefill", "time_total", "align_share")}
-        worst = max(reps, key=lambda r: (r["errors"] or 0, -r["exact"]))  # the repeat the exact cell reports
-        row.update(method=method, batch=batch, **agreement(worst, num_prompts),
+        row.update(method=method, batch=batch, **agreement(least_agreeing(reps), num_prompts),
                    tokens_per_second_runs=[r["tokens_per_second"] for r in reps])
         rows.append(row)
     by = {(r["method"], r["batch"]): r for r in rows}
