@@ -9,6 +9,7 @@ features (fast.drafts.feature_draft) the features of each row's content. The eng
     propose(rows, content, remaining, requests, waiting) -> Proposals   this round's, per row
     update(rows, committed, accepted, proposals)       what each row committed (keeps I3 for the draft cache)
     move_row(src, dst, count)                          compaction
+    release()                                          the generation is over: its cache buffers go back
     check_cache(row, content)                          I3 on one row
 
 One class per kind of draft side, chosen by `proposer_for` from the draft's declared abilities
@@ -59,6 +60,9 @@ class NoDraft:
         pass
 
     def move_row(self, src: int, dst: int, count: int) -> None:
+        pass
+
+    def release(self) -> None:
         pass
 
     def check_cache(self, row: int, content: list) -> list:
@@ -135,6 +139,10 @@ class DraftProposer:
         self.cache.move_row(src, dst, count)
         self.pending[dst] = self.pending[src]
 
+    def release(self) -> None:
+        """The generation is over: the draft cache's buffers go back (fast.compute.slot_cache.SPARES)."""
+        self.cache.release()
+
     def check_cache(self, row: int, content: list) -> list:
         """I3 for one slot row: it holds a fresh prefill's K/V of content[:len - pending]."""
         prefix = content[:len(content) - int(self.pending[row])]
@@ -178,6 +186,9 @@ class LookupFirst:
 
     def move_row(self, src: int, dst: int, count: int) -> None:
         self.model_side.move_row(src, dst, count)
+
+    def release(self) -> None:
+        self.model_side.release()
 
     def check_cache(self, row: int, content: list) -> list:
         return self.model_side.check_cache(row, content)

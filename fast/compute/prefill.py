@@ -93,4 +93,5 @@ def prefill_rectangle(runner, contents: list[list[int]], width: int, settings) -
     for index, layer in enumerate(buffer.layers):
         if layer.is_initialized:
             cache.update(layer.keys[:, :, :width].contiguous(), layer.values[:, :, :width].contiguous(), index)
+    buffer.release()
     return cache

@@ -9,6 +9,11 @@ the first `kv_len` slots of those rows;
 the 4D mask the engine passes hides everything but content 0..q of the row (I4), so stale slots
 (rejected drafts, earlier requests) need no clearing (proofs_notes/ragged.md).
 
+The buffers come from `SPARES`, the process's K/V buffers kept between generations: a fresh buffer
+of hundreds of MB pays the kernel's page faults on first touch (SmolLM2's float32 slot cache for 13
+Spec-Bench prompts, 540 MB, took 0.4-0.9 s to allocate inside an 8 s generation on an Intel Xeon),
+a kept one a memset. A cache gives its buffers back when its generation ends (`release`).
+
 A packed prefill (fast.compute.prefill) is the other kind of forward: one sequence holding the prompts of
 several rows back to back. `prepare_packed` gives each query its own slot row and content index;
 `update` scatters the K/V there and returns the pack's own K/V, which is all a fresh prompt can
@@ -16,8 +21,75 @@ see (the block-diagonal mask keeps prompts apart).
 """
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SparePool:
+    """K/V buffers kept between generations (CPU only: on an accelerator torch's caching allocator
+    already reuses freed memory). `take` hands out a zeroed buffer, a kept one where one is large
+    enough (the smallest such), so that slots no forward wrote hold zeros: a masked score's
+    probability is exactly 0, and 0 times a finite value is 0. `give` takes buffers back; the
+    spares never exceed the most bytes the caches held at once (`peak`), so no more memory is kept
+    than a generation used. Thread-safe."""
+
+    def __init__(self):
+        self.spare: list[torch.Tensor] = []  # flat buffers no cache holds
+        self.in_use = 0  # bytes of the buffers handed out and not given back
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def take(self, shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a zeroed tensor of `shape`, the flat buffer it views: what `give` takes back)."""
+        numel = math.prod(shape)
+        flat = None
+        if torch.device(device).type == "cpu":
+            with self.lock:
+                fits = [i for i, b in enumerate(self.spare) if b.dtype == dtype and b.numel() >= numel]
+                if fits:
+                    flat = self.spare.pop(min(fits, key=lambda i: self.spare[i].numel()))
+        if flat is None:
+            flat = torch.zeros(numel, dtype=dtype, device=device)
+        else:
+            with torch.inference_mode():  # a buffer made inside a forward's inference mode
+                flat[:numel].zero_()
+        with self.lock:
+            self.in_use += _bytes(flat)
+            self.peak = max(self.peak, self.in_use)
+        return flat[:numel].view(shape), flat
+
+    def give(self, buffers: list) -> None:
+        """Keep `buffers` (taken from this pool, no longer read) for later caches; the smallest
+        spares are dropped while the spares hold more than `peak` bytes."""
+        with self.lock:
+            self.in_use -= sum(_bytes(b) for b in buffers)
+            self.spare += [b for b in buffers if b.device.type == "cpu"]
+            self.spare.sort(key=_bytes, reverse=True)
+            while self.spare and sum(_bytes(b) for b in self.spare) > self.peak:
+                self.spare.pop()
+
+    def clear(self) -> int:
+        """Drop every spare buffer; returns the bytes freed."""
+        with self.lock:
+            freed = sum(_bytes(b) for b in self.spare)
+            self.spare = []
+            return freed
+
+
+def _bytes(buffer: torch.Tensor) -> int:
+    return buffer.numel() * buffer.element_size()
+
+
+SPARES = SparePool()
+
+
+def release_buffers() -> int:
+    """Free the K/V buffers kept for later generations (`specbatch.release_buffers`); returns the
+    bytes freed."""
+    return SPARES.clear()
 
 
 class SlotLayer(CacheLayerMixin):
@@ -33,8 +105,10 @@ class SlotLayer(CacheLayerMixin):
         slots, capacity = self.owner.slots, self.owner.capacity + 1  # + the trash slot
         heads = key_states.shape[1]
         dtype = self.owner.storage_dtype or key_states.dtype
-        self.keys = key_states.new_zeros(slots, heads, capacity, key_states.shape[-1], dtype=dtype)
-        self.values = value_states.new_zeros(slots, heads, capacity, value_states.shape[-1], dtype=dtype)
+        self.keys, key_buffer = SPARES.take((slots, heads, capacity, key_states.shape[-1]), dtype, key_states.device)
+        self.values, value_buffer = SPARES.take((slots, heads, capacity, value_states.shape[-1]), dtype,
+                                                value_states.device)
+        self.owner.buffers += [key_buffer, value_buffer]
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -68,7 +142,17 @@ class SlotCache(Cache):
         them in float32 (exact widening), where attention's small products run much faster."""
         self.slots, self.capacity, self.device, self.storage_dtype = slots, capacity, device, storage_dtype
         self.rows, self.packed, self._flat_index = slots, False, None
+        self.buffers: list[torch.Tensor] = []  # what the layers took from SPARES
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    def release(self) -> None:
+        """Give the layers' buffers back to SPARES: the cache's generation is over (a later forward
+        would take fresh ones)."""
+        for layer in self.layers:
+            layer.keys = layer.values = None
+            layer.is_initialized = False
+        buffers, self.buffers = self.buffers, []
+        SPARES.give(buffers)
 
     def flat_index(self, heads: int, capacity: int) -> torch.Tensor:
         """Rows of a layer's keys.view(-1, D) for each (query row, head, query) of the forward's

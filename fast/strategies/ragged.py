@@ -348,7 +348,10 @@ class RaggedEngine:
             self.close()
 
     def close(self) -> None:
-        """Remove the feature hook from the target (a feature draft's engine only)."""
+        """Give the caches' buffers back for the next generation (fast.compute.slot_cache.SPARES) and
+        remove the feature hook from the target (a feature draft's engine only)."""
+        self.cache.release()
+        self.proposer.release()
         if self.capture is not None:
             self.capture.close()
 

@@ -17,6 +17,7 @@ SCHEDULING = ["tests/test_scheduling.py", "tests/test_fast_engine.py"]
 FEATURES = ["tests/test_feature_draft.py"]
 ATTENTION = ["tests/test_prefill_and_attention.py"]
 KERNELS = ["tests/test_kernels.py"]
+SPARES = ["tests/test_slot_cache_pool.py"]
 OPTIONS = ["tests/test_options.py"]
 HOSTILE = ["tests/test_hostile_files.py"]
 BACKEND = ["tests/test_backend.py"]
@@ -221,6 +222,15 @@ MUTANTS = [
      "if rows > MAX_ROWS or rows < 1:", "if rows < 1:", KERNELS),
     ("row-plan-times-unpadded", "kernels", "fast/compute/row_plan.py",
      "            padded_product(x, packed, None, padded)", "            padded_product(x, packed, None, rows)", KERNELS),
+    # ---- K/V buffers kept between generations (fast.compute.slot_cache.SparePool)
+    ("kept-kv-buffer-not-zeroed", "spares", "fast/compute/slot_cache.py",
+     "                flat[:numel].zero_()", "                pass", SPARES),
+    ("kept-kv-buffer-handed-out-twice", "spares", "fast/compute/slot_cache.py",
+     "flat = self.spare.pop(min(fits, key=lambda i: self.spare[i].numel()))",
+     "flat = self.spare[min(fits, key=lambda i: self.spare[i].numel())]", SPARES),
+    ("kept-kv-buffers-never-trimmed", "spares", "fast/compute/slot_cache.py",
+     "while self.spare and sum(_bytes(b) for b in self.spare) > self.peak:",
+     "while False:", SPARES),
     # ---- attention parts priced as measured (fast.compute.attention_cost)
     ("attention-part-price-fixed", "attention", "fast/compute/attention.py",
      "sdpa, cost = (False, GROUP_COST) if fused or not configs else _measured_pricing(modules)",
