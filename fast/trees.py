@@ -164,6 +164,13 @@ def path_moves(path: torch.Tensor, content: torch.Tensor, trash: int):
 
 def keep_accepted_path(buffers, rows: torch.Tensor, path: torch.Tensor, content: torch.Tensor) -> None:
     """I3 after a tree verify: in each buffer (the target's SlotCache; a feature draft's FeatureBuffer),
-    node path[i, j]'s entry moves to content slot c_i + j; every source is read before any write."""
+    node path[i, j]'s entry moves to content slot c_i + j; every source is read before any write.
+    Only the rows whose path leaves the spine move anything: spine node j's scratch slot c_i - 1 + j
+    is its content slot (spine nodes are numbered first), so a path along the spine is in place."""
+    leaves_spine = path >= 0
+    leaves_spine &= path != torch.arange(1, path.shape[1] + 1, device=path.device)[None, :]
+    moving = leaves_spine.any(dim=1)
+    if not bool(moving.any()):
+        return
     for buffer in buffers:
-        buffer.keep_path(rows, *path_moves(path, content, buffer.capacity))
+        buffer.keep_path(rows[moving], *path_moves(path[moving], content[moving], buffer.capacity))
