@@ -12,7 +12,8 @@ the 4D mask the engine passes hides everything but content 0..q of the row (I4),
 The buffers come from `SPARES`, the process's K/V buffers kept between generations: a fresh buffer
 of hundreds of MB pays the kernel's page faults on first touch, a kept one a memset (SmolLM2's
 float32 slot cache for 13 Spec-Bench prompts is 540 MB; a generation of 128 tokens at batch 13 on
-an Intel Xeon took 7.61-7.70 s with kept buffers against 7.69-7.84 s with fresh ones). A cache gives its buffers back when its generation ends (`release`).
+an Intel Xeon took 7.61-7.70 s with kept buffers against 7.69-7.84 s with fresh ones). A cache
+gives its buffers back when its generation ends (`release`).
 
 A packed prefill (fast.compute.prefill) is the other kind of forward: one sequence holding the prompts of
 several rows back to back. `prepare_packed` gives each query its own slot row and content index;
