@@ -133,6 +133,7 @@ def pad_two_to_three(monkeypatch):
     original = plans.rows_for
     monkeypatch.setattr(plans, "rows_for", lambda key, rows, time_pass: original(
         key, rows, lambda n, m: {2: 2.0, 3: 1.0}.get(m, float(m)) if n == 2 else float(m)))
+    monkeypatch.setattr(plans, "plain_for", lambda key, rows, time_step: False)  # the packed kernel
     return plans
 
 
@@ -176,6 +177,76 @@ def test_a_shape_class_is_timed_over_all_its_layers_as_the_forward_runs_them(mon
     assert len(products) == row_plan.SAMPLE < 3 * len(packed)  # a big class is timed on a sample of its weights
 
 
+def scripted_step(costs, asked):
+    """A time_step for RowPlans.plain_for: costs[key] = (plain passes, packed passes) at every row count."""
+    return lambda rows: asked.append(rows) or costs
+
+
+def test_the_plain_product_is_chosen_where_every_pass_of_a_whole_step_beat_the_packed_one():
+    plans, asked = row_plan.RowPlans(None, "m"), []
+    costs = {"a": ([1.0, 1.1, 1.2], [1.3, 1.4, 1.5]),  # plain beat packed in every pass
+             "b": ([1.0, 1.1, 1.4], [1.3, 1.4, 1.5]),  # overlapping passes: noise never switches
+             "c": ([2.0, 2.0, 2.0], [1.0, 1.0, 1.0])}
+    step = scripted_step(costs, asked)
+    assert plans.plain_for("a", 1, step) and asked == [1]
+    assert not plans.plain_for("b", 1, step) and not plans.plain_for("c", 1, step)
+    assert asked == [1]  # one whole-step measurement decided every class it timed
+    assert not plans.plain_for("d", 1, step) and asked == [1, 1]  # a class the step did not time: packed
+    assert not plans.plain_for("a", row_plan.MAX_ROWS + 1, step) and not plans.plain_for("a", 0, step)
+    assert asked == [1, 1]  # prefill chunks and empty forwards are never timed
+
+
+def test_kernel_decisions_are_kept_on_disk_and_an_older_file_is_measured_again(tmp_path):
+    path, asked = tmp_path / "plans.json", []
+    step = scripted_step({"a": ([1.0] * 3, [2.0] * 3)}, asked)
+    assert row_plan.RowPlans(path, "machine A").plain_for("a", 2, step) and asked == [2]
+    assert row_plan.RowPlans(path, "machine A").plain_for("a", 2, step) and asked == [2]  # read back
+    saved = json.loads(path.read_text())
+    saved.pop("format")
+    path.write_text(json.dumps(saved))  # a file from before the kernel decisions
+    assert row_plan.RowPlans(path, "machine A").plain_for("a", 2, step) and asked == [2, 2]
+
+
+def test_rows_go_to_torchs_product_where_the_plans_chose_it(monkeypatch):
+    """Where the whole-step timing chose torch's product for one row, the forward computes one row
+    with it (bitwise F.linear, the packed kernel never called) and three rows packed."""
+    plans = row_plan.RowPlans(None, row_plan.machine_key())
+    monkeypatch.setattr(row_plan, "plans", lambda: plans)
+    monkeypatch.setattr(plans, "plain_for", lambda key, rows, time_step: rows == 1)
+    monkeypatch.setattr(plans, "rows_for", lambda key, rows, time_pass: rows)  # no padding measured
+    packed_calls = []
+    real = row_plan.padded_product
+    monkeypatch.setattr(row_plan, "padded_product", lambda x, *a: packed_calls.append(x.shape) or real(x, *a))
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    one, three = torch.randn(1, 48), torch.randn(3, 48)
+    with torch.inference_mode(), kernels.prepacked_linears(layer):
+        got_one, got_three = layer(one), layer(three)
+    assert torch.equal(got_one, torch.nn.functional.linear(one, layer.weight, layer.bias))
+    assert packed_calls == [(3, 48)]
+    torch.testing.assert_close(got_three, torch.nn.functional.linear(three, layer.weight, layer.bias))
+
+
+def test_the_step_timer_streams_every_weight_once_per_kernel_in_forward_order(monkeypatch):
+    torch.manual_seed(0)
+    small = [torch.nn.Linear(32, 24, bias=False) for _ in range(3)]
+    head = torch.nn.Linear(32, 96, bias=False)
+    calls = []
+    real = row_plan.product
+    monkeypatch.setattr(row_plan, "product", lambda x, w, packed, bias, plan: calls.append(
+        (w.shape[0], plan)) or real(x, w, packed, bias, plan))
+    with torch.inference_mode():
+        classes = list(kernels._row_classes(small + [head]))
+        spent = kernels.step_timer(classes)(2)
+    assert set(spent) == {row_plan.RowPlans.class_key(small[0].weight), row_plan.RowPlans.class_key(head.weight)}
+    assert all(len(plain) == len(packed) == row_plan.REPEATS for plain, packed in spent.values())
+    per_pass = 4  # every weight of every class, once
+    assert len(calls) == 2 * (row_plan.REPEATS + 1) * per_pass
+    assert [c[0] for c in calls[:per_pass]] == [24, 96, 24, 24]  # the first weight of each class, then the rest
+    assert {plan for _, plan in calls[:per_pass]} == {2} and {plan for _, plan in calls[per_pass:2 * per_pass]} == \
+        {row_plan.PLAIN}  # a packed pass, then a plain one (the order alternates)
+
+
 def test_a_benchmark_decides_every_row_count_before_it_times_anything(monkeypatch):
     plans = row_plan.RowPlans(None, row_plan.machine_key())
     monkeypatch.setattr(row_plan, "plans", lambda: plans)
@@ -184,12 +255,13 @@ def test_a_benchmark_decides_every_row_count_before_it_times_anything(monkeypatc
     models = (target, LeanCausalLM.of(target))  # the lean forward's fused projections are classes of their own
     classes = {row_plan.RowPlans.class_key(m.weight) for model in models for m in model.modules()
                if isinstance(m, torch.nn.Linear)}
-    assert kernels.prepare_row_plans(*models, up_to=5) == 5 * len(classes)
-    assert {key: sorted(entry["padded"]) for key, entry in plans.classes.items()} == \
-        {key: [1, 2, 3, 4, 5] for key in classes}
+    assert kernels.prepare_row_plans(*models, up_to=5) == 2 * 5 * len(classes)  # a kernel and a padding each
+    assert {key: (sorted(entry["padded"]), sorted(entry["plain"])) for key, entry in plans.classes.items()} == \
+        {key: ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]) for key in classes}
     assert kernels.prepare_row_plans(*models, up_to=5) == 0  # decided once
     timed = []
     monkeypatch.setattr(row_plan, "class_timer", lambda *a: lambda rows, padded: timed.append(rows) or 1.0)
+    monkeypatch.setattr(kernels, "step_timer", lambda classes: lambda rows: timed.append(rows) or {})
     specbatch.generate(target, None, [[1, 2, 3]], max_new_tokens=4, batch_size=1, strategy="ragged")
     assert timed == [] or min(timed) > 5  # nothing at 1..5 rows was measured during the run
 
@@ -273,6 +345,7 @@ def test_generation_with_every_row_count_padded_matches_up_to_ties(strategy, mon
     original = plans.rows_for
     monkeypatch.setattr(plans, "rows_for", lambda key, rows, time_pass: original(
         key, rows, lambda n, m: 1.0 if m == n + 3 else 2.0 + m))
+    monkeypatch.setattr(plans, "plain_for", lambda key, rows, time_step: False)  # the packed kernel
     target = with_random_biases(tiny("llama", dtype=torch.float32))
     want = oracle(target, PROMPTS, 12, [EOS])
     draft = ScriptedDraft(target, deviate_hashed(2, 0.3))
@@ -280,6 +353,32 @@ def test_generation_with_every_row_count_padded_matches_up_to_ties(strategy, mon
                                 strategy=strategy, **FIXED_K)
     padded = [m - n for entry in plans.classes.values() for n, m in entry["padded"].items()]
     assert padded and set(padded) == {3}  # every forward of the run went through a padded product
+    reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
+    assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
+    assert sum(r["exact"] for r in reports) >= len(PROMPTS) - 1
+
+
+@pytest.mark.parametrize("strategy", ["ragged", "eqspec"])
+def test_generation_with_some_row_counts_on_torchs_product_matches_up_to_ties(strategy, monkeypatch):
+    """Kernels mixed by row count (torch's product for odd counts, as if measured faster; packed for
+    even ones) change no token beyond rounding: generation equals transformers' greedy decoding up
+    to ties, and both kernels really ran."""
+    plans = row_plan.RowPlans(None, row_plan.machine_key())
+    monkeypatch.setattr(row_plan, "plans", lambda: plans)
+    monkeypatch.setattr(plans, "plain_for", lambda key, rows, time_step: rows % 2 == 1)
+    monkeypatch.setattr(plans, "rows_for", lambda key, rows, time_pass: rows)
+    ran = set()
+    real = row_plan.padded_product
+    monkeypatch.setattr(row_plan, "padded_product", lambda x, *a: ran.add("packed") or real(x, *a))
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: ran.add("plain") or real_linear(*a, **k))
+    target = with_random_biases(tiny("llama", dtype=torch.float32))
+    want = oracle(target, PROMPTS, 12, [EOS])
+    draft = ScriptedDraft(target, deviate_hashed(2, 0.3))
+    ran.clear()
+    result = specbatch.generate(target, draft, PROMPTS, max_new_tokens=12, num_draft_tokens=3, batch_size=3,
+                                strategy=strategy, **FIXED_K)
+    assert ran == {"plain", "packed"}
     reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
     assert [r for r in reports if not r["exact"] and r["kind"] == "error"] == []
     assert sum(r["exact"] for r in reports) >= len(PROMPTS) - 1

@@ -13,7 +13,8 @@ the modules afterwards. The copy is made once and kept beside the module (keyed 
 storage and version, so a changed weight is repacked); it costs a second copy of the linear
 weights in memory (`generate(..., prepack=False)` turns it off). Where oneDNN is unavailable or
 refuses a layer, the layer stays as it is. Row counts oneDNN runs more slowly than a slightly larger
-count are padded to it, as measured on the machine (fast.compute.row_plan).
+count are padded to it, and row counts that torch's own product on the unpacked weight runs faster
+over a whole step stay with it, as measured on the machine (fast.compute.row_plan).
 
 The result equals the plain product up to floating-point rounding (a different summation order);
 target-only decoding (`ar`) and speculative decoding run through the same layers, so outputs are
@@ -21,6 +22,7 @@ compared like for like (tests/test_kernels.py).
 """
 from __future__ import annotations
 
+import time
 import weakref
 from contextlib import contextmanager
 
@@ -55,14 +57,15 @@ def _packed_weight(module: torch.nn.Linear):
 PAD_ROWS = True  # pad row counts oneDNN runs slowly to a cheaper count, as measured (fast.compute.row_plan)
 
 
-def _packed_forward(module: torch.nn.Linear, packed, plans, key: str, time_pass):
-    """module's forward on its packed weight; plans: the process's row_plan.RowPlans, or None (no padding)."""
+def _packed_forward(module: torch.nn.Linear, packed, plans, key: str, time_pass, time_step):
+    """module's forward on its packed weight (or torch's product where the plans chose it); plans:
+    the process's row_plan.RowPlans, or None (no padding, always packed)."""
     bias = module.bias
 
     def forward(x):
-        if x.dtype != packed.dtype:  # not ours to handle (mixed precision): the plain product
-            return torch.nn.functional.linear(x, module.weight, bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if x.dtype != packed.dtype or (plans is not None and plans.plain_for(key, rows, time_step)):
+            return torch.nn.functional.linear(x, module.weight, bias)  # mixed precision, or measured faster
         padded = plans.rows_for(key, rows, time_pass) if plans is not None else rows
         return row_plan.padded_product(x, packed, bias, padded)
     return forward
@@ -99,19 +102,51 @@ def _row_classes(models, skip=()):
                                                                          weight.dtype), members)
 
 
-def prepare_row_plans(*models, up_to: int) -> int:
-    """Decide now the padding of every row count 1..up_to (at most row_plan.MAX_ROWS) for the shape
-    classes of the prepackable linears inside `models`, so that no forward measures later (a
-    benchmark calls this before it times anything). Returns the number of decisions made here."""
+def step_timer(classes: list):
+    """time_step for row_plan.RowPlans.plain_for over the shape classes (key, time_pass, members) of
+    one forward: a warm pass, then row_plan.REPEATS, each over every weight of every class in the
+    order a forward reads them (the i-th weight of each class in turn), once with torch's product on
+    the unpacked weights and once with the packed ones, in alternating order. Returns {class key:
+    (plain seconds, packed seconds) per pass}, each class's own products timed within the passes."""
+    longest = max((len(members) for _, _, members in classes), default=0)
+    order = [(key, *members[i]) for i in range(longest) for key, _, members in classes if i < len(members)]
+
+    def time_step(rows: int) -> dict:
+        inputs = {key: torch.randn(rows, members[0][0].weight.shape[1]).to(members[0][0].weight.dtype)
+                  for key, _, members in classes}
+        spent = {key: ([], []) for key in inputs}  # plain, packed
+        for repeat in range(row_plan.REPEATS + 1):
+            for plain in ((True, False) if repeat % 2 else (False, True)):
+                seconds = dict.fromkeys(inputs, 0.0)
+                for key, module, packed in order:
+                    start = time.perf_counter()
+                    row_plan.product(inputs[key], module.weight, packed, None, row_plan.PLAIN if plain else rows)
+                    seconds[key] += time.perf_counter() - start
+                if repeat:  # the first pass warms both kernels up
+                    for key, value in seconds.items():
+                        spent[key][0 if plain else 1].append(value)
+        return spent
+    return time_step
+
+
+def prepare_row_plans(*models, up_to: int, skip=()) -> int:
+    """Decide now the kernel and padding of every row count 1..up_to (at most row_plan.MAX_ROWS) for
+    the shape classes of the prepackable linears inside `models` (but not inside `skip`, as
+    prepacked_linears), so that no forward measures later (a benchmark calls this before it times
+    anything). Returns the number of decisions made here."""
     if not (PAD_ROWS and available()):
         return 0
-    plans, made = row_plan.plans(), 0
+    plans = row_plan.plans()
+    decided = lambda: sum(len(e.get("padded", {})) + len(e.get("plain", {})) for e in plans.classes.values())  # noqa: E731
+    before = decided()
     with torch.inference_mode():
-        for key, time_pass, _ in _row_classes(models):
-            for rows in range(1, min(up_to, row_plan.MAX_ROWS) + 1):
-                made += rows not in plans.classes.get(key, {}).get("padded", {})
+        classes = list(_row_classes(models, skip))
+        time_step = step_timer(classes)
+        for rows in range(1, min(up_to, row_plan.MAX_ROWS) + 1):
+            for key, time_pass, _ in classes:
+                plans.plain_for(key, rows, time_step)
                 plans.rows_for(key, rows, time_pass)
-    return made
+    return decided() - before
 
 
 @contextmanager
@@ -122,9 +157,11 @@ def prepacked_linears(*models, enabled: bool = True, skip=()):
     try:
         if enabled and available():
             plans = row_plan.plans() if PAD_ROWS else None  # looked up once for the block, not per product
-            for key, time_pass, members in _row_classes(models, skip):
+            classes = list(_row_classes(models, skip))
+            time_step = step_timer(classes)
+            for key, time_pass, members in classes:
                 for module, packed in members:
-                    module.forward = _packed_forward(module, packed, plans, key, time_pass)
+                    module.forward = _packed_forward(module, packed, plans, key, time_pass, time_step)
                     swapped.append(module)
         yield len(swapped)
     finally:

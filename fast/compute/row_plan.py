@@ -1,4 +1,4 @@
-"""Row counts for the prepacked products, chosen from their measured cost on this machine.
+"""Row counts and kernels for the linear products, chosen from their measured cost on this machine.
 
 oneDNN blocks its kernels by row count, so a product of n rows can cost more than one of m > n
 rows: a decoding step's products at one row took 33.0 ms and at four rows 22.9 ms on an AVX-512
@@ -16,6 +16,14 @@ measured, never assumed:
   benchmark times anything;
 - n is padded to the candidate of least median time only if every pass at that candidate beat
   every pass at n: noise never pads;
+- whether n rows run torch's own product on the unpacked weight (`F.linear`) instead of the packed
+  one is decided per class too, but timed over a whole step: passes over every weight of every
+  class in the order a forward reads them, once with each kernel (alternating), each class's own
+  products timed within (kernels.step_timer). A few weights timed alone stay in the CPU's caches,
+  while a step streams every weight from memory: on an Intel Xeon with a 480 MB L3 a step's
+  float32 products at one row took 20.6 ms plain and 23.7 ms packed streaming, and the two within
+  noise on a few weights. The plain product is chosen only where every pass beat every packed
+  pass;
 - the decisions and times are kept on disk (row-plans/ in the specbatch cache folder, one file per
   machine: CPU model, capability, threads, torch version), so a machine measures once.
 
@@ -40,6 +48,7 @@ import torch
 MAX_ROWS = 64  # the row counts of decoding and verifying steps (batch x proposals); larger: never padded
 REPEATS = 3
 SAMPLE = 4  # weights of a class timed per pass: equal shapes cost alike, and a pass stays above timer noise
+FORMAT = 2  # of the saved decisions: a file of another format (without the kernel decisions) is measured again
 
 
 def candidates(rows: int) -> range:
@@ -67,6 +76,17 @@ def padded_product(x: torch.Tensor, packed, bias, padded: int) -> torch.Tensor:
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
+PLAIN = 0  # product()'s plan for torch's own product on the unpacked weight
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, packed, bias, plan: int) -> torch.Tensor:
+    """x [..., in] times the weight: torch's product on `weight` (plan PLAIN), or the packed one with
+    the rows padded to `plan`."""
+    if plan == PLAIN:
+        return torch.nn.functional.linear(x, weight, bias)
+    return padded_product(x, packed, bias, plan)
+
+
 @functools.lru_cache(maxsize=1)
 def _cpu() -> str:
     from ...cli.machine import cpu_info
@@ -89,13 +109,18 @@ class RowPlans:
         if path is not None and path.exists():
             try:
                 saved = json.loads(path.read_text())
-                if saved.get("machine") == machine:
+                if saved.get("machine") == machine and saved.get("format") == FORMAT:
                     self.classes = {k: dict(padded={int(n): m for n, m in v["padded"].items()},
                                             passes={int(n): {int(m): p for m, p in by_m.items()}
-                                                    for n, by_m in v["passes"].items()})
+                                                    for n, by_m in v["passes"].items()},
+                                            plain={int(n): bool(b) for n, b in v["plain"].items()},
+                                            kernel_passes={int(n): p for n, p in v["kernel_passes"].items()})
                                     for k, v in saved["classes"].items()}
             except (OSError, ValueError, KeyError, AttributeError):
                 self.classes = {}  # an unreadable file is measured again, and replaced
+
+    def _entry(self, key: str) -> dict:
+        return self.classes.setdefault(key, dict(padded={}, passes={}, plain={}, kernel_passes={}))
 
     @staticmethod
     def class_key(weight: torch.Tensor) -> str:
@@ -110,7 +135,7 @@ class RowPlans:
         if rows in known:
             return known[rows]
         with self.lock:
-            entry = self.classes.setdefault(key, dict(padded={}, passes={}))
+            entry = self._entry(key)
             if rows not in entry["padded"]:
                 passes = {m: [] for m in candidates(rows)}
                 for m in passes:
@@ -123,12 +148,32 @@ class RowPlans:
                 self._save()
             return entry["padded"][rows]
 
+    def plain_for(self, key: str, rows: int, time_step) -> bool:
+        """Whether `rows` rows of class `key` run torch's own product on the unpacked weight (else the
+        packed one); time_step(rows) -> {class key: (plain seconds, packed seconds) per pass} over a
+        whole step, called only for a row count not yet decided, and deciding every class it times."""
+        if rows > MAX_ROWS or rows < 1:
+            return False
+        known = self.classes.get(key, {}).get("plain", {})
+        if rows in known:
+            return known[rows]
+        with self.lock:
+            if rows not in self._entry(key)["plain"]:
+                for timed, (plain, packed) in time_step(rows).items():
+                    entry = self._entry(timed)
+                    if rows not in entry["plain"]:
+                        entry["plain"][rows] = max(plain) < min(packed)
+                        entry["kernel_passes"][rows] = dict(plain=plain, packed=packed)
+                self._entry(key)["plain"].setdefault(rows, False)  # a class the step did not time
+                self._save()
+            return self.classes[key]["plain"][rows]
+
     def _save(self) -> None:
         if self.path is None:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps(dict(machine=self.machine, classes=self.classes), indent=1)
+            text = json.dumps(dict(machine=self.machine, format=FORMAT, classes=self.classes), indent=1)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False) as tmp:
                 tmp.write(text)
             os.replace(tmp.name, self.path)

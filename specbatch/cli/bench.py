@@ -408,7 +408,7 @@ def open_journal(path: Path, units, args, opts, target, draft, prompt_file):
 
 
 def prepare_kernels(target, draft, opts: GenerateOptions) -> None:
-    """Decide the padding of every row count a decoding step may bring to the prepacked linear
+    """Decide the kernel and padding of every row count a decoding step may bring to the linear
     layers (fast.compute.row_plan), so that nothing is measured while a benchmark times its runs.
     Decided once per machine and kept in the specbatch cache folder."""
     import torch
@@ -420,10 +420,12 @@ def prepare_kernels(target, draft, opts: GenerateOptions) -> None:
         return
     models = [m for m in (target, draft) if isinstance(m, torch.nn.Module)]
     leans = [ModelRunner(m, lean=opts.lean and not opts.compile).lean for m in models]
-    made = prepare_row_plans(*models, *[lean for lean in leans if lean is not None], up_to=row_plan.MAX_ROWS)
+    leans = [lean for lean in leans if lean is not None]
+    made = prepare_row_plans(*models, *leans, up_to=row_plan.MAX_ROWS,
+                             skip=[m for lean in leans for m in lean.replaced])  # as generate's forwards run them
     if made:
-        print(f"measured which row counts the linear layers run faster padded ({made} decisions, kept for this "
-              "machine)", file=sys.stderr)
+        print(f"measured which kernel and row count each linear layer runs fastest at ({made} decisions, kept for "
+              "this machine)", file=sys.stderr)
 
 
 def run_bench(args, opts: GenerateOptions) -> int:
