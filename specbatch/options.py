@@ -66,7 +66,8 @@ class GenerateOptions:
     seed: int = _option(0, "sampling seed, an integer in [0, 2^63) (the API also takes one per prompt)")
     dtype: str = _option("float32", "dtype the models are loaded in")
     device: str = _option("cpu", "device the models are loaded on: cpu, cuda, cuda:1, ...")
-    prepack: bool = _option(True, "CPU linear layers on oneDNN-prepacked weights (float32/bfloat16)")
+    prepack: bool = _option(True, "CPU linear layers on oneDNN-prepacked weights or torch's product, whichever a step "
+                                  "measured faster (float32/bfloat16)")
     compile: bool = _option(False, "torch.compile the MLP blocks and norms (inductor)")
     lean: bool = _option(True, "run Llama-architecture models through fast.compute.lean_llama (fused q/k/v and gate/up "
                                "products, fused norms: fewer operations per layer); other models run as they are")

@@ -152,7 +152,7 @@ class RowPlans:
         """Whether `rows` rows of class `key` run torch's own product on the unpacked weight (else the
         packed one); time_step(rows) -> {class key: (plain seconds, packed seconds) per pass} over a
         whole step, called only for a row count not yet decided, and deciding every class it times."""
-        if rows > MAX_ROWS or rows < 1:
+        if not 1 <= rows <= MAX_ROWS:  # prefill chunks, empty forwards: the packed kernel, never timed
             return False
         known = self.classes.get(key, {}).get("plain", {})
         if rows in known:

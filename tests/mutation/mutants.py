@@ -242,6 +242,8 @@ MUTANTS = [
     ("step-timer-reads-a-class-at-a-time", "kernels", "fast/compute/kernels.py",
      "order = [(key, *members[i]) for i in range(longest) for key, _, members in classes if i < len(members)]",
      "order = [(key, *member) for key, _, members in classes for member in members]", KERNELS),
+    ("plain-kernel-timed-for-prefill", "kernels", "fast/compute/row_plan.py",
+     "if not 1 <= rows <= MAX_ROWS:", "if rows < 1:", KERNELS),
     ("row-plans-read-an-older-format", "kernels", "fast/compute/row_plan.py",
      'if saved.get("machine") == machine and saved.get("format") == FORMAT:', 'if saved.get("machine") == machine:',
      KERNELS),
