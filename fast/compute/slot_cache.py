@@ -69,8 +69,9 @@ class SparePool:
             self.in_use -= sum(_bytes(b) for b in buffers)
             self.spare += [b for b in buffers if b.device.type == "cpu"]
             self.spare.sort(key=_bytes, reverse=True)
-            while self.spare and sum(_bytes(b) for b in self.spare) > self.peak:
-                self.spare.pop()
+            kept = sum(_bytes(b) for b in self.spare)
+            while kept > self.peak:
+                kept -= _bytes(self.spare.pop())
 
     def clear(self) -> int:
         """Drop every spare buffer; returns the bytes freed."""
