@@ -247,17 +247,23 @@ def plain_attention(query, key, value, mask, scaling, softcap=None):
     batch, heads, queries, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     group = heads // kv_heads
-    q = query.reshape(batch, kv_heads, group * queries, dim)  # head h reads kv head h // group
-    scores = torch.matmul(q, key.transpose(-1, -2)).view(batch, kv_heads, group, queries, slots)
-    low = scores.dtype in (torch.float16, torch.bfloat16)
-    scores = scores.float() if low else scores
-    scores = scores * scaling
+    # head h reads kv head h // group: each kv head's group of query heads is one operand of one
+    # batched product (bmm over views of the cache: its rows and heads merge without a copy)
+    q = query.reshape(batch * kv_heads, group * queries, dim)
+    scores = torch.bmm(q, key.reshape(batch * kv_heads, slots, dim).transpose(1, 2))  # [B Hkv, G Q, S]
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        scores = scores.float()
+    scores = scores.mul_(scaling)  # a fresh tensor: in place
     if softcap is not None:  # Gemma 2 style: scores squashed to (-softcap, softcap) before the mask
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = scores + mask[:, :, None].to(scores.dtype)
-    probs = scores.softmax(dim=-1).to(value.dtype).view(batch, kv_heads, group * queries, slots)
-    return torch.matmul(probs, value).view(batch, heads, queries, value.shape[-1]).to(out_dtype)
+        scores.view(batch, kv_heads, group, queries, slots).add_(mask[:, :, None])
+    probs = scores.softmax(dim=-1)
+    if probs.dtype != value.dtype:
+        probs = probs.to(value.dtype)
+    out = torch.bmm(probs, value.reshape(batch * kv_heads, slots, value.shape[-1]))
+    out = out.view(batch, heads, queries, value.shape[-1])
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def rows_of(tensor, rows, length):

@@ -7,8 +7,11 @@ hundred small tensor operations. This module computes the same function with les
 - the q/k/v projections and the gate/up projections each fused into one product (7 products a
   layer become 4),
 - RMS norms by torch's fused rms_norm, the rotary angles computed once per forward by the model's
-  own rotary module and applied to the query and key heads together (transformers' rotate_half,
-  the arithmetic of its apply_rotary_pos_emb),
+  own rotary module and applied to the query and key heads together with the arithmetic of
+  transformers' apply_rotary_pos_emb (`rotary_angles`),
+- the linear layers called through their forward, without nn.Module's call machinery: hooks on the
+  model's o_proj and down_proj do not run in the lean forward (those on its q/k/v, gate and up
+  projections never could: the fused copies compute them),
 - attention by fast.compute.attention.specbatch_attention, the engine's own: the mask the engine passes
   decides what each query sees (I4) and the engine's row plan applies, exactly as in the model,
 - the cache updated through `Cache.update`, so every layout's cache works (DynamicCache in the
@@ -24,7 +27,6 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import rotate_half
 
 from .attention import specbatch_attention
 from .backend import sharded
@@ -56,6 +58,21 @@ def fused_linear(*layers: torch.nn.Linear) -> torch.nn.Linear:
     return linear_from(torch.cat([layer.weight.detach() for layer in layers]))
 
 
+def rotary_angles(rotary, hidden, position_ids):
+    """(cos, signed_sin), each [B, Q, 1, D], for `rotate`: the rotary module's angles, with the sign of
+    rotate_half folded into the sine once per forward instead of once per layer."""
+    cos, sin = rotary(hidden, position_ids)  # [B, Q, D]
+    half = sin.shape[-1] // 2
+    return cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None]
+
+
+def rotate(x, cos, signed_sin):
+    """transformers' x * cos + rotate_half(x) * sin, bitwise: rotate_half(x) = cat(-x2, x1) and
+    x.roll(half) = cat(x2, x1) differ only in the sign of the first half, which signed_sin carries
+    (negation is exact, so (-a) * b == a * (-b)). x [B, Q, heads, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
 class LeanBlock(torch.nn.Module):
     """One decoder layer: pre-norm attention and pre-norm SwiGLU MLP, each with its residual."""
 
@@ -72,22 +89,22 @@ class LeanBlock(torch.nn.Module):
         self.down = mlp.down_proj
         self.attention_norm, self.mlp_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
 
-    def forward(self, hidden, cos, sin, mask, cache, index: int):
+    def forward(self, hidden, cos, signed_sin, mask, cache, index: int):
+        """cos, signed_sin: rotary_angles of the forward's positions."""
         batch, queries, width = hidden.shape
         x = F.rms_norm(hidden, (width,), self.attention_norm, self.eps)
-        qkv = self.qkv(x).view(batch, queries, -1, self.head_dim)  # [B, Q, H + 2 Hkv, D]
+        qkv = self.qkv.forward(x).view(batch, queries, -1, self.head_dim)  # [B, Q, H + 2 Hkv, D]
         rotated = self.heads + self.kv_heads
-        qk = qkv[:, :, :rotated]  # q's and k's heads take one rotation (the same arithmetic per element)
-        qk = qk * cos[:, :, None] + rotate_half(qk) * sin[:, :, None]  # cos, sin [B, Q, D]: every head alike
+        qk = rotate(qkv[:, :, :rotated], cos, signed_sin)  # q's and k's heads: one rotation, every head alike
         q, k = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
         v = qkv[:, :, rotated:].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, index)
         out, _ = specbatch_attention(self, q, k, v, mask, scaling=self.scaling)  # [B, Q, H, D]
-        hidden = hidden + self.o(out.reshape(batch, queries, -1))
+        hidden = hidden + self.o.forward(out.reshape(batch, queries, -1))
         x = F.rms_norm(hidden, (width,), self.mlp_norm, self.eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate) * up)
+        gate, up = self.gate_up.forward(x).chunk(2, dim=-1)
+        return hidden + self.down.forward(F.silu(gate) * up)
 
 
 class LeanLlama(torch.nn.Module):
@@ -108,9 +125,9 @@ class LeanLlama(torch.nn.Module):
         """added: [B, Q, hidden] added to the token embeddings (fast.drafts.reduced_head's feature input).
         final_norm=False: the last block's output, before the model's final norm."""
         hidden = self.embed(input_ids) if added is None else self.embed(input_ids) + added
-        cos, sin = self.rotary(hidden, position_ids)
+        cos, signed_sin = rotary_angles(self.rotary, hidden, position_ids)
         for index, block in enumerate(self.blocks):
-            hidden = block(hidden, cos, sin, attention_mask, cache, index)
+            hidden = block.forward(hidden, cos, signed_sin, attention_mask, cache, index)
         return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.eps) if final_norm else hidden
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from ..compute.lean_llama import LeanBlock
+from ..compute.lean_llama import LeanBlock, rotary_angles
 from .reduced_head import SubsetLogits, restricted_head
 
 
@@ -201,8 +201,8 @@ class FeatureDraft(torch.nn.Module):
         if self.mlp:
             predicted = features + self.down(F.silu(x))
         else:
-            cos, sin = self.rotary(x, position_ids)
-            predicted = self.block(x, cos, sin, attention_mask, cache, 0)
+            cos, signed_sin = rotary_angles(self.rotary, x, position_ids)
+            predicted = self.block(x, cos, signed_sin, attention_mask, cache, 0)
         predicted = F.rms_norm(predicted, (predicted.shape[-1],), self.norm, self.eps)
         hidden = predicted[:, -int(logits_to_keep):] if logits_to_keep else predicted
         values = self.head(hidden)

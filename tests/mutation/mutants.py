@@ -648,4 +648,10 @@ MUTANTS = [
      ["tests/test_bfloat16.py"]),
     ("sampled-tail-test-counts-the-head", "conformance", "specbatch/conformance/sampled.py",
      "tail = int((pit[kept] > 1 - TAIL_MASS).sum())", "tail = int((pit[kept] < TAIL_MASS).sum())", SAMPLED_TAIL),
+    ("rotary-sign-on-the-second-half", "lean forward", "fast/compute/lean_llama.py",
+     "torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)", "torch.cat([sin[..., :half], -sin[..., half:]], dim=-1)",
+     ["tests/test_lean_llama.py"]),
+    ("attention-mask-added-out-of-place", "attention", "fast/compute/attention.py",
+     "scores.view(batch, kv_heads, group, queries, slots).add_(mask[:, :, None])",
+     "scores.view(batch, kv_heads, group, queries, slots).add(mask[:, :, None])", RAGGED),
 ]
