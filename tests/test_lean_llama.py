@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import specbatch
-from specbatch.fast.compute.lean_llama import LeanLlama, supported
+from specbatch.fast.compute.lean_llama import LeanLlama, rotary_angles, rotate, supported
 from specbatch.fast.drafts.reduced_head import ReducedHeadDraft
 
 from hf_models import EOS, FIXED_K, VOCAB, oracle, tiny
@@ -17,6 +17,19 @@ def causal(queries: int, slots: int) -> torch.Tensor:
     """The additive mask of `queries` new tokens after slots - queries cached ones."""
     q = torch.arange(slots - queries, slots)[:, None]
     return torch.zeros(1, 1, queries, slots, dtype=torch.float64).masked_fill(torch.arange(slots)[None] > q, -1e9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_rotation_is_transformers_apply_rotary_pos_emb_bitwise(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    model = tiny("llama", layers=1, seed=2).to(dtype)
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 4, 3, 8, generator=g).to(dtype) for _ in range(2))  # [B, Q, heads, D]
+    position_ids = torch.tensor([[0, 7, 30, 511], [3, 4, 5, 6]])
+    cos, sin = model.model.rotary_emb(q, position_ids)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    cos4, signed_sin = rotary_angles(model.model.rotary_emb, q, position_ids)
+    assert torch.equal(rotate(q, cos4, signed_sin), want_q) and torch.equal(rotate(k, cos4, signed_sin), want_k)
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
