@@ -265,6 +265,8 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
                                       leaves[-1].any()))
         if not active.any():
             break
+    if leaves and not rule.tree_pays():  # the leaves do not pay for a tree round: chains
+        leaves = [np.zeros_like(count) for count in leaves]
     q = _stacked(dists) if settings.chooser.needs_q else None
     return Proposals(_so_far(steps, rows, device), q, _stacked(confidences), proposed, rule, len(steps), model_steps,
                      lookup_rows, np.stack(host, axis=1) if host else None, _stacked(siblings),
@@ -359,6 +361,7 @@ def record_round(settings: Settings, clock, requests, proposals: Proposals, acce
                                         proposals.host_confidence, proposals.model_steps, draft_seconds,
                                         verify_tokens, verify_seconds, proposals.lookup_rows,
                                         leaf_confidence=leaf_confidence, leaves_accepted=leaves_accepted,
+                                        leaves_verified=0 if proposals.leaves is None else int(proposals.leaves.sum()),
                                         ended=ended))
 
 
