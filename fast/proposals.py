@@ -179,8 +179,9 @@ class GoodputRule:
         of the candidates the step has (available [R])."""
         if self.tree_price == float("inf"):  # a chain round, whatever the leaves would add
             return np.zeros(len(self.limit), dtype=np.int64)
+        count = goodput_leaves(runner_ups, self.reach_before, self.worth, self.leaf_calibration, self.bar)
+        count = np.where(proposes, np.minimum(count, available), 0)
         value = leaf_worth(runner_ups, self.reach_before, self.worth, self.leaf_calibration)
-        count = np.where(proposes, np.minimum((value >= self.bar).cumprod(axis=1).sum(axis=1), available), 0)
         chosen = np.arange(value.shape[1])[None, :] < count[:, None]
         self.leaf_surplus += float(np.where(chosen, value - self.bar, 0.0).sum())
         return count
