@@ -8,8 +8,9 @@ Measures, in one run:
 - the per-op overhead: one tiny element-wise op, and one tiny linear, timed in a loop;
 - row invariance: for each product of the engine's forward, up to how many rows every row of the
   prepacked product is bitwise its one-row product, in float32 and bfloat16;
-- specbatch's own target-only decode step on SmolLM2 (warm, `generate`, ragged, all rows live):
-  (total - prefill) / new tokens per row, at batch 1 and 13, in float32 and bfloat16
+- specbatch's own target-only decode step on SmolLM2 (warm, `generate`, ragged, all rows live): the
+  marginal cost of one more token per row (generations of 2 and of --new-tokens tokens, alternating,
+  the difference of their totals over the steps between them), at batch 1 and 13, in float32 and bfloat16
   (--engine-dtypes), and its ratio to the products alone in the same dtype, with the faster of the
   two kernels the engine chooses between at that row count.
 Every product figure is the fastest of its repeats (a machine only slows a pass down); the engine's
@@ -130,7 +131,11 @@ def row_invariance() -> list[dict]:
 
 def engine_steps(batches, new_tokens: int, repeats: int, dtype: str = "float32") -> list[dict]:
     """specbatch's target-only decode step on SmolLM2 (ragged, in `dtype`) at each batch size: the
-    first `batch` of the 13 shipped prompts, chat template, `new_tokens` new tokens, EOS off."""
+    first `batch` of the 13 shipped prompts, chat template, EOS off. A step is the marginal cost of
+    one more token per row: generations of 2 and of `new_tokens` tokens alternate, and the step is
+    the difference of their median totals over the new_tokens - 2 steps between them, so that the
+    prefill and what a generation pays once (its caches, its plans) are not spread over the steps;
+    `fixed_ms` is what a generation spends besides its prefill and its steps."""
     import specbatch
     from specbatch.cli.bench import SHIPPED_PROMPTS, select_prompts
     from specbatch.prepare import encode_prompts
@@ -141,13 +146,20 @@ def engine_steps(batches, new_tokens: int, repeats: int, dtype: str = "float32")
     ids = encode_prompts([t for _, t in select_prompts(SHIPPED_PROMPTS)], tokenizer, True)
     rows = []
     for batch in batches:
-        runs = []
-        for _ in range(repeats + 1):  # the first run warms up
-            r = specbatch.generate(target, None, ids[:batch], max_new_tokens=new_tokens, batch_size=batch,
-                                   eos_token_id=[])
-            runs.append((r.stats["time_total"] - r.stats["time_prefill"]) / (new_tokens - 1))
-        rows.append(dict(dtype=dtype, batch=batch, step_ms=round(1000 * statistics.median(runs[1:]), 2),
-                         runs_ms=[round(1000 * x, 2) for x in runs[1:]]))
+        totals, prefills = {2: [], new_tokens: []}, []
+        for repeat in range(repeats + 1):  # the first repeat warms up
+            for tokens in ((2, new_tokens) if repeat % 2 else (new_tokens, 2)):
+                r = specbatch.generate(target, None, ids[:batch], max_new_tokens=tokens, batch_size=batch,
+                                       eos_token_id=[])
+                if repeat:
+                    totals[tokens].append(r.stats["time_total"])
+                    prefills.append(r.stats["time_prefill"])
+        short, long = statistics.median(totals[2]), statistics.median(totals[new_tokens])
+        step = (long - short) / (new_tokens - 2)
+        rows.append(dict(dtype=dtype, batch=batch, step_ms=round(1000 * step, 2),
+                         fixed_ms=round(1000 * (short - statistics.median(prefills) - 2 * step), 1),
+                         runs_ms=[round(1000 * (b - a) / (new_tokens - 2), 2)
+                                  for a, b in zip(totals[2], totals[new_tokens])]))
         print(f"{rows[-1]}", file=sys.stderr, flush=True)
     return rows
 
@@ -177,13 +189,13 @@ def markdown(report: dict) -> str:
                   f"up to {r['bfloat16']} |" for r in report["row_invariance"]]
     if report.get("engine"):
         floors = {(r["dtype"], r["rows"]): floor_ms(r) for r in report["products"]}
-        lines += ["", "| dtype | batch | specbatch decode step (ms) | products, the faster kernel (ms) | step / products |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "| dtype | batch | specbatch decode step (ms) | products, the faster kernel (ms) | step / products "
+                  "| once per generation, besides the prefill (ms) |", "|---|---|---|---|---|---|"]
         for r in report["engine"]:
             dtype = r.get("dtype", "float32")
             floor = floors.get((dtype, r["batch"]))
             ratio = f"{r['step_ms'] / floor:.2f}x" if floor else "-"
-            lines.append(f"| {dtype} | {r['batch']} | {r['step_ms']} | {floor} | {ratio} |")
+            lines.append(f"| {dtype} | {r['batch']} | {r['step_ms']} | {floor} | {ratio} | {r.get('fixed_ms', '-')} |")
     return "\n".join(lines) + "\n"
 
 

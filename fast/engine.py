@@ -261,12 +261,13 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
         proposed += proposes
         if settings.tree_branches > 1:
             leaves.append(rule.leaves(step, runner_ups[-1], proposes, available[-1]))
-            siblings.append(_siblings(settings, logits, dist, token, requests, content + step, found, lookup_rows,
-                                      leaves[-1].any()))
+            siblings.append((logits, dist, token, content + step, found))  # drawn once the round's tree is known
         if not active.any():
             break
     if leaves and not rule.tree_pays():  # the leaves do not pay for a tree round: chains
         leaves = [np.zeros_like(count) for count in leaves]
+    siblings = [_siblings(settings, *step_of, requests, lookup_rows, count.any())
+                for step_of, count in zip(siblings, leaves)]  # keyed draws: the same whenever drawn
     q = _stacked(dists) if settings.chooser.needs_q else None
     return Proposals(_so_far(steps, rows, device), q, _stacked(confidences), proposed, rule, len(steps), model_steps,
                      lookup_rows, np.stack(host, axis=1) if host else None, _stacked(siblings),
@@ -296,7 +297,7 @@ def _leaf_prices(settings: Settings, rule, logits, requests, found, lookup_rows)
     return runner_ups, available
 
 
-def _siblings(settings: Settings, logits, dist, token, requests, positions, found, lookup_rows, any_leaf: bool):
+def _siblings(settings: Settings, logits, dist, token, positions, found, requests, lookup_rows, any_leaf: bool):
     """[R, b - 1] one step's candidates beside each proposal, the leading ones of which are the
     row's leaves there: the chooser's on a model row, the lookup's other followers on a lookup row.
     Computed only where the rule gave some row a leaf this step (else copies of the proposals,
