@@ -134,8 +134,7 @@ def engine_steps(batches, new_tokens: int, repeats: int, dtype: str = "float32")
     first `batch` of the 13 shipped prompts, chat template, EOS off. A step is the marginal cost of
     one more token per row: generations of 2 and of `new_tokens` tokens alternate, and the step is
     the difference of their median totals over the new_tokens - 2 steps between them, so that the
-    prefill and what a generation pays once (its caches, its plans) are not spread over the steps;
-    `fixed_ms` is what a generation spends besides its prefill and its steps."""
+    prefill and what a generation pays once (its caches, its plans) are not spread over the steps."""
     import specbatch
     from specbatch.cli.bench import SHIPPED_PROMPTS, select_prompts
     from specbatch.prepare import encode_prompts
@@ -146,18 +145,16 @@ def engine_steps(batches, new_tokens: int, repeats: int, dtype: str = "float32")
     ids = encode_prompts([t for _, t in select_prompts(SHIPPED_PROMPTS)], tokenizer, True)
     rows = []
     for batch in batches:
-        totals, prefills = {2: [], new_tokens: []}, []
+        totals = {2: [], new_tokens: []}
         for repeat in range(repeats + 1):  # the first repeat warms up
             for tokens in ((2, new_tokens) if repeat % 2 else (new_tokens, 2)):
                 r = specbatch.generate(target, None, ids[:batch], max_new_tokens=tokens, batch_size=batch,
                                        eos_token_id=[])
                 if repeat:
                     totals[tokens].append(r.stats["time_total"])
-                    prefills.append(r.stats["time_prefill"])
         short, long = statistics.median(totals[2]), statistics.median(totals[new_tokens])
         step = (long - short) / (new_tokens - 2)
         rows.append(dict(dtype=dtype, batch=batch, step_ms=round(1000 * step, 2),
-                         fixed_ms=round(1000 * (short - statistics.median(prefills) - 2 * step), 1),
                          runs_ms=[round(1000 * (b - a) / (new_tokens - 2), 2)
                                   for a, b in zip(totals[2], totals[new_tokens])]))
         print(f"{rows[-1]}", file=sys.stderr, flush=True)
@@ -189,13 +186,13 @@ def markdown(report: dict) -> str:
                   f"up to {r['bfloat16']} |" for r in report["row_invariance"]]
     if report.get("engine"):
         floors = {(r["dtype"], r["rows"]): floor_ms(r) for r in report["products"]}
-        lines += ["", "| dtype | batch | specbatch decode step (ms) | products, the faster kernel (ms) | step / products "
-                  "| once per generation, besides the prefill (ms) |", "|---|---|---|---|---|---|"]
+        lines += ["", "| dtype | batch | specbatch decode step (ms) | products, the faster kernel (ms) | step / products |",
+                  "|---|---|---|---|---|"]
         for r in report["engine"]:
             dtype = r.get("dtype", "float32")
             floor = floors.get((dtype, r["batch"]))
             ratio = f"{r['step_ms'] / floor:.2f}x" if floor else "-"
-            lines.append(f"| {dtype} | {r['batch']} | {r['step_ms']} | {floor} | {ratio} | {r.get('fixed_ms', '-')} |")
+            lines.append(f"| {dtype} | {r['batch']} | {r['step_ms']} | {floor} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
