@@ -245,7 +245,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
         else:
             break  # no row may draft this round
-        if settings.tree_branches > 1:
+        if settings.tree_branches > 1 and rule.ranks_leaves:
             for kept, part in zip((runner_ups, available), _leaf_prices(settings, rule, logits, requests, found,
                                                                         lookup_rows)):
                 kept.append(part)
@@ -259,7 +259,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             host.append(seen)
         proposes, active = rule.step(step, seen, active)
         proposed += proposes
-        if settings.tree_branches > 1:
+        if settings.tree_branches > 1 and rule.ranks_leaves:
             leaves.append(rule.leaves(step, runner_ups[-1], proposes, available[-1]))
             siblings.append((logits, dist, token, content + step, found))  # drawn once the round's tree is known
         if not active.any():
@@ -362,7 +362,7 @@ def record_round(settings: Settings, clock, requests, proposals: Proposals, acce
                                         proposals.host_confidence, proposals.model_steps, draft_seconds,
                                         verify_tokens, verify_seconds, proposals.lookup_rows,
                                         leaf_confidence=leaf_confidence, leaves_accepted=leaves_accepted,
-                                        leaves_verified=0 if proposals.leaves is None else int(proposals.leaves.sum()),
+                                        ranked=proposals.runner_ups is not None,
                                         ended=ended))
 
 

@@ -24,9 +24,11 @@ min(leaf_calibration * runner-up probability, 1) with a leaf calibration pooled 
 learnt apart for the draft model's leaves and a lookup row's (priced by their shares). A round of
 trees costs more than a round of chains of as many verify tokens (the target's choices at every
 node, the walk, the path's K/V moves, the draft's runner-ups): that surcharge, by rows, is measured
-online as what a tree round took beyond a chain round's fitted seconds for its tokens and draft
-steps, and the round's leaves must add lam * surcharge over their tokens' price together, or the
-round verifies chains (`tree_price`). While only trees were measured, every other round is a chain
+online as what a round that ranked runner-ups for leaves took beyond a chain round's fitted
+seconds for its tokens and draft steps (a chain round ranks nothing), and the round's leaves must
+add lam * surcharge over their tokens' price together, or the round verifies chains (`tree_price`).
+Where what a tree round's leaves added (a running average) is below that price, the next rounds
+rank nothing at all: chains. While only tree rounds were timed, every other round is a chain
 (EXPLORE of them), so that the comparison has both sides. The worth of a token is 1 while requests wait for a slot; with nobody waiting it is the
 row's remaining budget over the largest (the run ends with its longest rows). Greedy and coupled
 outputs cannot change with proposal lengths; rejection-sampled outputs with a fixed seed would (the
@@ -79,7 +81,7 @@ class RoundOutcome:
     lookup_rows: np.ndarray | None = None  # [R] rows that drafted by prompt lookup alone (None: none)
     leaf_confidence: np.ndarray | None = None  # [R] token trees: runner-ups of the leaves whose parent was reached
     leaves_accepted: np.ndarray | None = None  # [R] ... and how many of those leaves were accepted (None: no leaves)
-    leaves_verified: int = 0  # leaves the round verified over every row (0: a round of chains)
+    ranked: bool = False  # whether the round ranked its draft's runner-ups for tree leaves (a tree round)
     ended: float = field(default_factory=time.perf_counter)  # clock reading when the round ended
 
 
@@ -140,19 +142,22 @@ class Goodput:
         self.chain_draft = LinearCost()  # a chain round's seconds per draft step, by rows
         self.tree_surcharge = LinearCost()  # a tree round's seconds beyond a chain round's of its tokens and
         # draft steps, by rows
-        self.rounds_seen = {False: 0, True: 0}  # rounds of chains, of trees, timed
+        self.rounds_seen = {False: 0, True: 0}  # rounds of chains, of trees (runner-ups ranked), timed
+        self.surplus = None  # what a tree round's leaves added over their tokens' price, a running average
         self.last_record = None
         self.rule = None
 
     def tree_price(self, rows: int, lam: float) -> float:
         """What a round's leaves must add over their tokens' price to pay for a tree round: lam times
-        the measured surcharge (0 before it is measured; inf for a chain round measured as reference
-        while trees are all that was seen)."""
+        the measured surcharge (0 before it is measured). inf, a round of chains that ranks nothing:
+        as reference while trees are all that was seen, and where tree rounds' leaves added less
+        than the price on average."""
         if self.rounds_seen[True] > self.rounds_seen[False] and self.rounds_seen[False] < self.EXPLORE:
             return float("inf")
         if not self.tree_surcharge.measured():
             return 0.0
-        return lam * max(self.tree_surcharge(rows), 0.0)
+        price = lam * max(self.tree_surcharge(rows), 0.0)
+        return float("inf") if self.surplus is not None and self.surplus < price else price
 
     def estimates(self, requests, lookup: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(forecast, calibration) [R]: each row's acceptance per proposal and per unit of
@@ -232,9 +237,14 @@ class Goodput:
 
 
     def _record_shape(self, outcome: RoundOutcome, rows: int, seconds: float) -> None:
-        """A round of chains fits what a chain round costs; a round of trees, what it cost beyond that."""
-        tree = outcome.leaves_verified > 0
+        """A round of chains fits what a chain round costs; a round of trees, what it cost beyond that
+        and what its leaves added."""
+        tree = outcome.ranked
         self.rounds_seen[tree] += 1
+        if tree and self.rule is not None:
+            added = self.rule.leaf_surplus
+            self.surplus = added if self.surplus is None else \
+                History.DECAY * self.surplus + (1 - History.DECAY) * added
         if not tree:
             self.chain_round.add(outcome.verify_tokens, seconds - outcome.draft_seconds)
             if outcome.draft_steps:

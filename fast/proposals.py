@@ -83,6 +83,7 @@ class ThresholdRule:
     read). Every proposal brings every candidate its step has (`available`: b - 1 on a model row)."""
 
     decides_leaves = False  # leaves need no runner-up probabilities
+    ranks_leaves = True  # every round may have leaves
 
     def __init__(self, limit: np.ndarray, threshold: float = 0.0, floor: float | None = None):
         self.limit = np.asarray(limit, dtype=np.int64).copy()
@@ -141,6 +142,7 @@ class GoodputRule:
             else lookup_leaf_calibration  # [R]
         self.bar, self.step_price = float(bar), float(step_price)
         self.tree_price = float(tree_price)  # what the round's leaves must add over their tokens' price (inf: none)
+        self.ranks_leaves = self.tree_price != float("inf")  # whether the round ranks runner-ups at all
         self.leaf_surplus = 0.0  # ... and what the leaves chosen so far add
         self.reach = np.ones(len(self.limit))  # P(every proposal so far is accepted), per row
         self.reach_before = self.reach  # the same before the current step: what its leaves need to be reached

@@ -297,6 +297,22 @@ def test_leaves_that_do_not_pay_for_a_tree_round_leave_chains(monkeypatch, mode)
     assert runs[1].stats["leaves_verified"] == 0 and runs[0].sequences == runs[1].sequences  # ... and dropped
 
 
+def test_a_round_of_chains_the_policy_planned_ranks_no_runner_ups(monkeypatch):
+    """Where the policy plans chains (tree rounds' leaves did not pay for them: an infinite tree
+    price), drafting ranks no runner-ups and draws no siblings: the round costs what a chain does."""
+    from specbatch.fast import sampling
+    from specbatch.fast.policy import Goodput
+    monkeypatch.setattr(Goodput, "tree_price", lambda self, rows, lam: float("inf"))
+    for name in ("runner_ups", "siblings"):
+        monkeypatch.setattr(sampling.Chooser, name, lambda *a, name=name: pytest.fail(f"a chain round called {name}"))
+    target = tiny("llama", initializer_range=0.5)
+    result = specbatch.generate(target, second_guess(target), PROMPTS, max_new_tokens=BUDGETS, num_draft_tokens=3,
+                                batch_size=4, tree_branches=3, eos_token_id=[EOS], check_invariants=True,
+                                policy="goodput")
+    assert result.stats["leaves_verified"] == 0 and result.stats["drafted_tokens"] > 0
+    assert result.sequences == oracle(target, PROMPTS, BUDGETS, [EOS])
+
+
 def test_a_leaf_count_that_is_not_the_rules_is_caught(monkeypatch):
     """One more leaf than the goodput rule pays for: the live I7 check names it."""
     from specbatch.fast.proposals import GoodputRule

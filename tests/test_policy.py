@@ -401,7 +401,7 @@ def timed_round(policy: Goodput, clock: list, rows: int, proposed: int, leaves: 
     draft, verify = 3 * 0.004, 0.04 + 0.001 * tokens
     clock[0] += draft + verify + 0.002 + (surcharge if leaves else 0.0)
     policy.record(RoundOutcome(np.arange(rows), np.full(rows, proposed), np.full(rows, 1), np.full((rows, 3), 0.8),
-                               3, draft, tokens, verify, leaves_verified=leaves, ended=clock[0]))
+                               3, draft, tokens, verify, ranked=leaves > 0, ended=clock[0]))
 
 
 @pytest.mark.parametrize("surcharge", [0.0, 0.002, 0.01])
@@ -431,6 +431,8 @@ def test_while_only_trees_were_seen_every_other_round_is_a_chain_until_both_are_
     for _ in range(12):
         rule = policy.plan(RoundInfo(np.arange(rows), np.full(rows, 3), None))
         forced.append(rule.tree_price == float("inf"))
+        assert rule.ranks_leaves == (not forced[-1])
+        rule.leaf_surplus = 0.0 if forced[-1] else 1e3  # leaves that pay for any tree round
         timed_round(policy, clock, rows, 2, 0 if forced[-1] else 4, 0.01)
     assert forced[:7] == [False, True, False, True, False, True, False] and not any(forced[7:])
     assert policy.rounds_seen[False] == Goodput.EXPLORE
@@ -438,3 +440,22 @@ def test_while_only_trees_were_seen_every_other_round_is_a_chain_until_both_are_
     for _ in range(6):
         timed_round(chains_only, clock, rows, 2, 0, 0.0)
         assert chains_only.plan(RoundInfo(np.arange(rows), np.full(rows, 3), None)).tree_price == 0.0
+
+
+def test_where_tree_rounds_leaves_added_less_than_their_price_the_next_rounds_rank_nothing():
+    """Tree rounds whose leaves added little over their tokens' price (a running average of the
+    rule's leaf_surplus) against a measured surcharge: the policy plans rounds of chains that rank no
+    runner-ups (an infinite tree price), and plans trees again where leaves added more."""
+    def policy_after(added: float) -> Goodput:
+        policy, clock, rows = Goodput(4), [0.0], 4
+        for i in range(16):
+            rule = policy.plan(RoundInfo(np.arange(rows), np.full(rows, 3), None))
+            rule.leaf_surplus = added if rule.ranks_leaves else 0.0
+            timed_round(policy, clock, rows, 1 + i % 3, 6 if rule.ranks_leaves else 0, 0.01)
+        return policy
+    poor, rich = policy_after(0.01), policy_after(50.0)
+    assert poor.surplus == pytest.approx(0.01) and rich.surplus > 1.0
+    assert poor.tree_surcharge(4) > 0 and rich.tree_surcharge(4) == pytest.approx(0.01)
+    assert not poor.plan(RoundInfo(np.arange(4), np.full(4, 3), None)).ranks_leaves
+    rule = rich.plan(RoundInfo(np.arange(4), np.full(4, 3), None))
+    assert rule.ranks_leaves and 0 < rule.tree_price < 50.0
