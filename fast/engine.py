@@ -245,7 +245,7 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             token, dist, confidence = settings.chooser.draft_lookup(found, requests, content + step)
         else:
             break  # no row may draft this round
-        if settings.tree_branches > 1 and rule.ranks_leaves:
+        if settings.tree_branches > 1:
             for kept, part in zip((runner_ups, available), _leaf_prices(settings, rule, logits, requests, found,
                                                                         lookup_rows)):
                 kept.append(part)
@@ -259,15 +259,12 @@ def draft_round(step_forward, settings: Settings, clamp: np.ndarray, requests, c
             host.append(seen)
         proposes, active = rule.step(step, seen, active)
         proposed += proposes
-        if settings.tree_branches > 1 and rule.ranks_leaves:
+        if settings.tree_branches > 1:
             leaves.append(rule.leaves(step, runner_ups[-1], proposes, available[-1]))
-            siblings.append((logits, dist, token, content + step, found))  # drawn once the round's tree is known
+            siblings.append(_siblings(settings, logits, dist, token, requests, content + step, found, lookup_rows,
+                                      leaves[-1].any()))
         if not active.any():
             break
-    if leaves and not rule.tree_pays():  # the leaves do not pay for a tree round: chains
-        leaves = [np.zeros_like(count) for count in leaves]
-    siblings = [_siblings(settings, *step_of, requests, lookup_rows, count.any())
-                for step_of, count in zip(siblings, leaves)]  # keyed draws: the same whenever drawn
     q = _stacked(dists) if settings.chooser.needs_q else None
     return Proposals(_so_far(steps, rows, device), q, _stacked(confidences), proposed, rule, len(steps), model_steps,
                      lookup_rows, np.stack(host, axis=1) if host else None, _stacked(siblings),
@@ -297,7 +294,7 @@ def _leaf_prices(settings: Settings, rule, logits, requests, found, lookup_rows)
     return runner_ups, available
 
 
-def _siblings(settings: Settings, logits, dist, token, positions, found, requests, lookup_rows, any_leaf: bool):
+def _siblings(settings: Settings, logits, dist, token, requests, positions, found, lookup_rows, any_leaf: bool):
     """[R, b - 1] one step's candidates beside each proposal, the leading ones of which are the
     row's leaves there: the chooser's on a model row, the lookup's other followers on a lookup row.
     Computed only where the rule gave some row a leaf this step (else copies of the proposals,
@@ -362,7 +359,6 @@ def record_round(settings: Settings, clock, requests, proposals: Proposals, acce
                                         proposals.host_confidence, proposals.model_steps, draft_seconds,
                                         verify_tokens, verify_seconds, proposals.lookup_rows,
                                         leaf_confidence=leaf_confidence, leaves_accepted=leaves_accepted,
-                                        ranked=proposals.runner_ups is not None,
                                         ended=ended))
 
 

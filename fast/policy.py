@@ -21,15 +21,7 @@ least lam * b (the price of its verify token), a draft step if what it adds is a
 draft(R). With token trees a leaf is priced the same way, one verify token, its acceptance
 min(leaf_calibration * runner-up probability, 1) with a leaf calibration pooled over the batch
 (accepted leaves per unit of their probabilities, for leaves whose parent was reached; fast.proposals),
-learnt apart for the draft model's leaves and a lookup row's (priced by their shares). A round of
-trees costs more than a round of chains of as many verify tokens (the target's choices at every
-node, the walk, the path's K/V moves, the draft's runner-ups): that surcharge, by rows, is measured
-online as what a round that ranked runner-ups for leaves took beyond a chain round's fitted
-seconds for its tokens and draft steps (a chain round ranks nothing), and the round's leaves must
-add lam * surcharge over their tokens' price together, or the round verifies chains (`tree_price`).
-Where what a tree round's leaves added (a running average) is below that price, the next rounds
-rank nothing at all: chains. While only tree rounds were timed, every other round is a chain
-(EXPLORE of them), so that the comparison has both sides. The worth of a token is 1 while requests wait for a slot; with nobody waiting it is the
+learnt apart for the draft model's leaves and a lookup row's (priced by their shares). The worth of a token is 1 while requests wait for a slot; with nobody waiting it is the
 row's remaining budget over the largest (the run ends with its longest rows). Greedy and coupled
 outputs cannot change with proposal lengths; rejection-sampled outputs with a fixed seed would (the
 distribution stays exact), so their default is Threshold.
@@ -81,7 +73,6 @@ class RoundOutcome:
     lookup_rows: np.ndarray | None = None  # [R] rows that drafted by prompt lookup alone (None: none)
     leaf_confidence: np.ndarray | None = None  # [R] token trees: runner-ups of the leaves whose parent was reached
     leaves_accepted: np.ndarray | None = None  # [R] ... and how many of those leaves were accepted (None: no leaves)
-    ranked: bool = False  # whether the round ranked its draft's runner-ups for tree leaves (a tree round)
     ended: float = field(default_factory=time.perf_counter)  # clock reading when the round ended
 
 
@@ -127,7 +118,6 @@ class Goodput:
 
     PRIOR_WEIGHT = 2.0  # pseudo-proposals of the batch's rate in a row's estimate
     LEAF_PRIOR = 1.0  # pseudo-confidence of leaves at the batch's proposal calibration, in the leaf calibrations
-    EXPLORE = 3  # chain rounds measured, alternating with tree rounds, before a tree's surcharge is priced
     reads_confidence = True
 
     def __init__(self, k: int):
@@ -138,26 +128,8 @@ class Goodput:
         self.pooled = {False: History(), True: History()}  # the batch's, by source
         self.leaves = {False: History(), True: History()}  # token trees: the batch's reached leaves (their
         # runner-up probabilities, a lookup row's their shares) and accepted ones, by source
-        self.chain_round = LinearCost()  # a chain round's seconds outside drafting, by verify tokens
-        self.chain_draft = LinearCost()  # a chain round's seconds per draft step, by rows
-        self.tree_surcharge = LinearCost()  # a tree round's seconds beyond a chain round's of its tokens and
-        # draft steps, by rows
-        self.rounds_seen = {False: 0, True: 0}  # rounds of chains, of trees (runner-ups ranked), timed
-        self.surplus = None  # what a tree round's leaves added over their tokens' price, a running average
         self.last_record = None
         self.rule = None
-
-    def tree_price(self, rows: int, lam: float) -> float:
-        """What a round's leaves must add over their tokens' price to pay for a tree round: lam times
-        the measured surcharge (0 before it is measured). inf, a round of chains that ranks nothing:
-        as reference while trees are all that was seen, and where tree rounds' leaves added less
-        than the price on average."""
-        if self.rounds_seen[True] > self.rounds_seen[False] and self.rounds_seen[False] < self.EXPLORE:
-            return float("inf")
-        if not self.tree_surcharge.measured():
-            return 0.0
-        price = lam * max(self.tree_surcharge(rows), 0.0)
-        return float("inf") if self.surplus is not None and self.surplus < price else price
 
     def estimates(self, requests, lookup: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(forecast, calibration) [R]: each row's acceptance per proposal and per unit of
@@ -196,14 +168,13 @@ class Goodput:
         worth = self.worth(info)
         leaf_calibration = self.leaf_calibration(rows), self.leaf_calibration(rows, lookup=True)
         if not (self.draft_cost.measured() and self.verify_cost.measured()):  # the first round: everything
-            self.rule = GoodputRule(clamp, worth, calibration, forecast, 0.0, 0.0, by_lookup, *leaf_calibration,
-                                    tree_price=self.tree_price(rows, 0.0))
+            self.rule = GoodputRule(clamp, worth, calibration, forecast, 0.0, 0.0, by_lookup, *leaf_calibration)
             return self.rule
         overhead = float(np.median(self.overhead)) if self.overhead else 0.0
         token, step = self.verify_cost.slope(), self.draft_cost(rows)  # one verify token: a proposal's, a leaf's
         lam = best_ratio(worth, forecast, clamp, max(self.verify_cost(rows) + overhead, 1e-9), token, step)
         self.rule = GoodputRule(clamp, worth, calibration, forecast, lam * token, lam * step, by_lookup,
-                                *leaf_calibration, tree_price=self.tree_price(rows, lam))
+                                *leaf_calibration)
         return self.rule
 
     def record(self, outcome: RoundOutcome) -> None:
@@ -214,7 +185,6 @@ class Goodput:
         now = outcome.ended
         if self.last_record is not None:  # commit, bookkeeping, refills: paid once a round
             self.overhead.append(max(now - self.last_record - outcome.draft_seconds - outcome.verify_seconds, 0.0))
-            self._record_shape(outcome, rows, now - self.last_record)
         self.last_record = now
         proposed, accepted = np.asarray(outcome.proposed), np.asarray(outcome.accepted)
         reached = np.minimum(accepted + 1, proposed)  # proposals whose earlier ones were all accepted
@@ -234,25 +204,6 @@ class Goodput:
             for i, r in enumerate(outcome.requests):
                 self.rows.setdefault((int(r), source), History()).add(
                     float(reached[i] * mine[i]), float(landed[i] * mine[i]), float(confidence[i] * mine[i]))
-
-
-    def _record_shape(self, outcome: RoundOutcome, rows: int, seconds: float) -> None:
-        """A round of chains fits what a chain round costs; a round of trees, what it cost beyond that
-        and what its leaves added."""
-        tree = outcome.ranked
-        self.rounds_seen[tree] += 1
-        if tree and self.rule is not None:
-            added = self.rule.leaf_surplus
-            self.surplus = added if self.surplus is None else \
-                History.DECAY * self.surplus + (1 - History.DECAY) * added
-        if not tree:
-            self.chain_round.add(outcome.verify_tokens, seconds - outcome.draft_seconds)
-            if outcome.draft_steps:
-                self.chain_draft.add(rows, outcome.draft_seconds / outcome.draft_steps)
-        elif self.chain_round.measured():
-            drafting = outcome.draft_steps * self.chain_draft(rows) if self.chain_draft.measured() \
-                else outcome.draft_seconds
-            self.tree_surcharge.add(rows, seconds - self.chain_round(outcome.verify_tokens) - drafting)
 
 
 def make_policy(settings: PolicySettings):

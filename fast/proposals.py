@@ -28,14 +28,7 @@ row's: each follower's share of the n-gram's occurrences; like `confidence`, nev
 
 A leaf commits one more token exactly when the target's choice is its token (siblings are
 distinct), so its expected gain has the same form as a proposal's; the verify token is the same
-price. Where no leaf pays the row's tree is its chain. A round of trees also costs more than a
-round of chains of the same verify tokens (the target's choices at every node, the walk, the
-path's K/V moves, the draft's runner-ups: the policy's measured `tree_price`, in worth), so the
-leaves that pay are kept only where together they add at least that much over their tokens' price:
-
-    sum over the leaves chosen of (their expected worth - bar) >= tree_price
-
-else every row's tree is its chain this round.
+price. Where no leaf pays the row's tree is its chain.
 """
 from __future__ import annotations
 
@@ -65,17 +58,12 @@ def goodput_lengths(confidence: np.ndarray, limit: np.ndarray, worth: np.ndarray
     return ((value >= bar) & steps).cumprod(axis=1).sum(axis=1)
 
 
-def leaf_worth(runner_ups: np.ndarray, reach: np.ndarray, worth, leaf_calibration) -> np.ndarray:
-    """[R, b - 1]: each candidate leaf's expected worth at one step, from the step's runner-up
-    probabilities (most likely first) and each row's reach before the step [R]."""
-    accept = np.minimum(np.asarray(leaf_calibration, dtype=float)[:, None] * runner_ups, 1.0)
-    return (np.asarray(worth, dtype=float) * reach)[:, None] * accept
-
-
 def goodput_leaves(runner_ups: np.ndarray, reach: np.ndarray, worth, leaf_calibration, bar: float) -> np.ndarray:
-    """[R]: the goodput rule's leaves at one step (before the round's tree_price): the leading
-    candidates whose expected worth pays for their verify token."""
-    return (leaf_worth(runner_ups, reach, worth, leaf_calibration) >= bar).cumprod(axis=1).sum(axis=1)
+    """[R]: the goodput rule's leaves at one step, from the step's runner-up probabilities [R, b - 1]
+    (most likely first) and each row's reach before the step [R]: the leading ones that pay."""
+    accept = np.minimum(np.asarray(leaf_calibration, dtype=float)[:, None] * runner_ups, 1.0)
+    value = (np.asarray(worth, dtype=float) * reach)[:, None] * accept
+    return (value >= bar).cumprod(axis=1).sum(axis=1)
 
 
 class ThresholdRule:
@@ -83,7 +71,6 @@ class ThresholdRule:
     read). Every proposal brings every candidate its step has (`available`: b - 1 on a model row)."""
 
     decides_leaves = False  # leaves need no runner-up probabilities
-    ranks_leaves = True  # every round may have leaves
 
     def __init__(self, limit: np.ndarray, threshold: float = 0.0, floor: float | None = None):
         self.limit = np.asarray(limit, dtype=np.int64).copy()
@@ -100,9 +87,6 @@ class ThresholdRule:
     def leaves(self, j: int, runner_ups, proposes: np.ndarray, available: np.ndarray) -> np.ndarray:
         """[R] leaves under step j's proposal: every candidate the step has (available [R])."""
         return np.where(proposes, available, 0)
-
-    def tree_pays(self) -> bool:
-        return True
 
     def check_leaves(self, leaves, runner_ups, confidence, proposed, available) -> list:
         from ..invariants import check_threshold_leaves
@@ -133,7 +117,7 @@ class GoodputRule:
     decides_leaves = True  # from the runner-up probabilities of each step (module docstring)
 
     def __init__(self, limit, worth, calibration, forecast, bar: float, step_price: float, lookup_calibration=None,
-                 leaf_calibration=None, lookup_leaf_calibration=None, tree_price: float = 0.0):
+                 leaf_calibration=None, lookup_leaf_calibration=None):
         self.limit = np.asarray(limit, dtype=np.int64).copy()
         self.worth, self.calibration, self.forecast = worth, calibration, forecast  # [R] each
         self.lookup_calibration = calibration if lookup_calibration is None else lookup_calibration  # [R]
@@ -141,9 +125,6 @@ class GoodputRule:
         self.lookup_leaf_calibration = self.leaf_calibration if lookup_leaf_calibration is None \
             else lookup_leaf_calibration  # [R]
         self.bar, self.step_price = float(bar), float(step_price)
-        self.tree_price = float(tree_price)  # what the round's leaves must add over their tokens' price (inf: none)
-        self.ranks_leaves = self.tree_price != float("inf")  # whether the round ranks runner-ups at all
-        self.leaf_surplus = 0.0  # ... and what the leaves chosen so far add
         self.reach = np.ones(len(self.limit))  # P(every proposal so far is accepted), per row
         self.reach_before = self.reach  # the same before the current step: what its leaves need to be reached
         self.model_rows = np.ones(len(self.limit), dtype=bool)
@@ -179,19 +160,8 @@ class GoodputRule:
     def leaves(self, j: int, runner_ups, proposes: np.ndarray, available: np.ndarray) -> np.ndarray:
         """[R] leaves under step j's proposal: the leading runner-ups [R, b - 1] (host float64) that pay,
         of the candidates the step has (available [R])."""
-        if self.tree_price == float("inf"):  # a chain round, whatever the leaves would add
-            return np.zeros(len(self.limit), dtype=np.int64)
         count = goodput_leaves(runner_ups, self.reach_before, self.worth, self.leaf_calibration, self.bar)
-        count = np.where(proposes, np.minimum(count, available), 0)
-        value = leaf_worth(runner_ups, self.reach_before, self.worth, self.leaf_calibration)
-        chosen = np.arange(value.shape[1])[None, :] < count[:, None]
-        self.leaf_surplus += float(np.where(chosen, value - self.bar, 0.0).sum())
-        return count
-
-    def tree_pays(self) -> bool:
-        """Whether the leaves chosen over the round add at least the round's tree_price over their
-        tokens' price (module docstring): if not, the engine verifies chains this round."""
-        return self.leaf_surplus >= self.tree_price
+        return np.where(proposes, np.minimum(count, available), 0)
 
     def check(self, proposed, confidence) -> list:
         from ..invariants import check_goodput_lengths
@@ -200,7 +170,7 @@ class GoodputRule:
     def check_leaves(self, leaves, runner_ups, confidence, proposed, available) -> list:
         from ..invariants import check_goodput_leaves
         return check_goodput_leaves(leaves, runner_ups, confidence, proposed, available, self.worth,
-                                    self.calibration, self.leaf_calibration, self.bar, self.tree_price)
+                                    self.calibration, self.leaf_calibration, self.bar)
 
     def fields(self, i: int) -> dict:
         return dict(worth=float(self.worth[i]), calibration=float(self.calibration[i]), bar=self.bar)

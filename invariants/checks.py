@@ -215,38 +215,29 @@ def check_threshold_leaves(leaves, proposed, available) -> list[Violation]:
 
 
 def check_goodput_leaves(leaves, runner_ups, confidence, proposed, available, worth, calibration,
-                         leaf_calibration, bar: float, tree_price: float = 0.0) -> list[Violation]:
+                         leaf_calibration, bar: float) -> list[Violation]:
     """I7 for a tree's leaves under the goodput rule (fast.proposals.GoodputRule): under row i's
     proposal at step j < p_i, the leading r < available_ij for which worth_i * prod_{j' < j}
     min(calibration_i * confidence_ij', 1) * min(leaf_calibration_i * runner_up_ijr, 1) >= bar;
-    none past the row's proposals; and none at all where those leaves' worth over bar, summed over
-    the round, is below tree_price (a tree does not pay for itself: chains)."""
+    none past the row's proposals."""
     leaves, proposed = as_numpy(leaves).astype(int), as_numpy(proposed).astype(int)
     runner_ups = as_numpy(runner_ups).astype(float)
     confidence = as_numpy(confidence).astype(float).reshape(len(proposed), -1)
     available = as_numpy(available).astype(int)
-    wants, surplus = np.zeros(leaves.shape, dtype=int), 0.0
+    out = []
     for i in range(len(proposed)):
         reach = 1.0
         for j in range(leaves.shape[1]):
+            want = 0
             if j < proposed[i]:
-                while wants[i, j] < available[i, j]:
-                    value = float(worth[i]) * reach * min(float(leaf_calibration[i]) * runner_ups[i, j, wants[i, j]], 1.0)
-                    if value < bar:
-                        break
-                    wants[i, j] += 1
-                    surplus += value - bar
+                while want < available[i, j] and float(worth[i]) * reach * min(
+                        float(leaf_calibration[i]) * runner_ups[i, j, want], 1.0) >= bar:
+                    want += 1
                 reach *= min(float(calibration[i]) * confidence[i, j], 1.0)
-    keep = surplus >= tree_price
-    if abs(surplus - tree_price) <= 1e-9 * max(1.0, abs(tree_price)):  # summed in another order than the
-        keep = bool(leaves.any())  # rule's: within rounding of the price, either way
-    if not keep:
-        wants[:] = 0
-    out = []
-    for i, j in zip(*np.nonzero(leaves != wants)):
-        out.append(Violation("I7", "leaf count is not the goodput rule's (own runner-up probabilities, reach, "
-                                   "worth, leaf calibration; the round's bar and tree price)",
-                             row=int(i), index=int(j), expected=int(wants[i, j]), actual=int(leaves[i, j])))
+            if leaves[i, j] != want:
+                out.append(Violation("I7", "leaf count is not the goodput rule's (own runner-up probabilities, "
+                                           "reach, worth, leaf calibration; the round's bar)",
+                                     row=i, index=j, expected=want, actual=int(leaves[i, j])))
     return out
 
 

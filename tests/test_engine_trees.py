@@ -227,15 +227,15 @@ def test_sibling_trees_with_the_rules_leaves_are_the_references_trees(rows):
         assert tokens[i, :want.size].tolist() == want.tokens.tolist()
 
 
-def goodput_at_set_prices(monkeypatch, bar: float, tree_price: float = 0.0) -> list:
-    """The goodput policy with set numbers (calibrations and worth 1, the given bar and tree price, no
-    step price) in place of measured ones, so that its leaves vary with the draft's runner-up
-    probabilities; returns the list each step's leaf counts are appended to."""
+def goodput_at_set_prices(monkeypatch, bar: float) -> list:
+    """The goodput policy with set numbers (calibrations and worth 1, the given bar, no step price)
+    in place of measured ones, so that its leaves vary with the draft's runner-up probabilities;
+    returns the list each step's leaf counts are appended to."""
     from specbatch.fast.policy import Goodput
     from specbatch.fast.proposals import GoodputRule
     ones = lambda info: np.ones(len(info.clamp))  # noqa: E731
     monkeypatch.setattr(Goodput, "plan", lambda self, info: GoodputRule(info.clamp, ones(info), ones(info),
-                                                                        ones(info), bar, 0.0, tree_price=tree_price))
+                                                                        ones(info), bar, 0.0))
     seen, real = [], GoodputRule.leaves
 
     def leaves(self, j, runner_ups, proposes, most):
@@ -278,39 +278,6 @@ def test_a_round_without_leaves_is_verified_as_chains(monkeypatch, mode):
                                policy="goodput", **sampled) for b in (1, 3)]
     assert runs[0].sequences == runs[1].sequences and runs[1].stats["leaves_verified"] == 0
     assert runs[1].stats["drafted_tokens"] > 0
-
-
-@pytest.mark.parametrize("mode", ["greedy", "rejection"])
-def test_leaves_that_do_not_pay_for_a_tree_round_leave_chains(monkeypatch, mode):
-    """The rule gives steps leaves that pay for their tokens, but together they add less than the
-    round's tree price (a tree round's measured surcharge): every round verifies chains, the live
-    checker agrees (I7), and the tokens are tree_branches = 1's."""
-    from specbatch.fast.strategies.ragged import RaggedEngine
-    seen = goodput_at_set_prices(monkeypatch, bar=0.05, tree_price=1e6)
-    monkeypatch.setattr(RaggedEngine, "verify_tree", lambda *a: pytest.fail("leaves that do not pay verified a tree"))
-    target = tiny("llama", initializer_range=0.5)
-    sampled = {} if mode == "greedy" else dict(temperature=0.9, sampling=mode, seed=4)
-    runs = [specbatch.generate(target, second_guess(target), PROMPTS, max_new_tokens=BUDGETS, num_draft_tokens=3,
-                               batch_size=4, tree_branches=b, eos_token_id=[EOS], check_invariants=True,
-                               policy="goodput", **sampled) for b in (1, 3)]
-    assert np.concatenate(seen).sum() > 0  # leaves were chosen step by step ...
-    assert runs[1].stats["leaves_verified"] == 0 and runs[0].sequences == runs[1].sequences  # ... and dropped
-
-
-def test_a_round_of_chains_the_policy_planned_ranks_no_runner_ups(monkeypatch):
-    """Where the policy plans chains (tree rounds' leaves did not pay for them: an infinite tree
-    price), drafting ranks no runner-ups and draws no siblings: the round costs what a chain does."""
-    from specbatch.fast import sampling
-    from specbatch.fast.policy import Goodput
-    monkeypatch.setattr(Goodput, "tree_price", lambda self, rows, lam: float("inf"))
-    for name in ("runner_ups", "siblings"):
-        monkeypatch.setattr(sampling.Chooser, name, lambda *a, name=name: pytest.fail(f"a chain round called {name}"))
-    target = tiny("llama", initializer_range=0.5)
-    result = specbatch.generate(target, second_guess(target), PROMPTS, max_new_tokens=BUDGETS, num_draft_tokens=3,
-                                batch_size=4, tree_branches=3, eos_token_id=[EOS], check_invariants=True,
-                                policy="goodput")
-    assert result.stats["leaves_verified"] == 0 and result.stats["drafted_tokens"] > 0
-    assert result.sequences == oracle(target, PROMPTS, BUDGETS, [EOS])
 
 
 def test_a_leaf_count_that_is_not_the_rules_is_caught(monkeypatch):

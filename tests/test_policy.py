@@ -240,15 +240,13 @@ def grow_tree(rule, confidence, runner_ups, model_rows=None, available=None):
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 3), st.floats(0.05, 1), st.floats(0.2, 3), st.floats(0, 0.8),
-       st.sampled_from([0.0, 0.05, 0.3, float("inf")]), st.data())
-def test_the_goodput_leaves_three_ways(rows, most, worth, leaf_calibration, bar, tree_price, data):
+@given(st.integers(1, 4), st.integers(1, 3), st.floats(0.05, 1), st.floats(0.2, 3), st.floats(0, 0.8), st.data())
+def test_the_goodput_leaves_three_ways(rows, most, worth, leaf_calibration, bar, data):
     """Leaf by leaf as the engine applies the rule, in the checker, and from the rule's statement:
     under each proposal, the leading runner-ups whose expected worth (reach before the step times
     the leaf's own acceptance, at the calibration of its source) pays for one verify token, of the
     candidates the step has (a lookup row's: the other followers its lookup found); none past the
-    proposals; and none at all where what they add over their tokens' price, summed over the
-    round, is below the round's tree price."""
+    proposals."""
     confidence = np.array(data.draw(st.lists(st.lists(probability, min_size=3, max_size=3), min_size=rows,
                                              max_size=rows)))
     runner_ups = -np.sort(-np.array(data.draw(st.lists(st.lists(st.lists(st.floats(0, 0.5), min_size=most,
@@ -261,22 +259,17 @@ def test_the_goodput_leaves_three_ways(rows, most, worth, leaf_calibration, bar,
     limit, worths, calibration = np.full(rows, 3), np.full(rows, worth), np.full(rows, 1.2)
     leaf_cal, lookup_leaf_cal = np.full(rows, leaf_calibration), np.full(rows, 0.7)
     rule = GoodputRule(limit, worths, calibration, np.full(rows, 0.5), bar, 0.0, calibration, leaf_cal,
-                       lookup_leaf_cal, tree_price=tree_price)
+                       lookup_leaf_cal)
     proposed, leaves = grow_tree(rule, confidence, runner_ups, model_rows, available)
-    final = leaves if rule.tree_pays() else np.zeros_like(leaves)  # as engine.draft_round ends a round
     own_leaf_cal = np.where(model_rows, leaf_cal, lookup_leaf_cal)
-    assert check_goodput_leaves(final, runner_ups, confidence, proposed, available, worths, calibration,
-                                own_leaf_cal, bar, tree_price) == []
-    surplus = 0.0
+    assert check_goodput_leaves(leaves, runner_ups, confidence, proposed, available, worths, calibration,
+                                own_leaf_cal, bar) == []
     for i in range(rows):
         for j in range(3):
             reach = worth * np.prod(np.minimum(1.2 * confidence[i, :j], 1.0))
             value = reach * np.minimum(own_leaf_cal[i] * runner_ups[i, j], 1.0)
             want = min(int(np.cumprod(value >= bar).sum()), available[i, j]) if j < proposed[i] else 0
-            surplus += float(np.sum(value[:want] - bar))
-            assert leaves[i, j] == (0 if tree_price == float("inf") else want)
-    if abs(surplus - tree_price) > 1e-9:
-        assert rule.tree_pays() == (surplus >= tree_price)
+            assert leaves[i, j] == want
 
 
 def test_the_leaf_checkers_name_a_wrong_count():
@@ -374,88 +367,3 @@ def test_a_tree_round_teaches_the_policy_its_spine_and_its_leaves_apart():
     assert row.accepted == 1.0 and row.reached == 2.0
     assert policy.leaves[False].accepted == 1.0 and policy.leaves[False].confidence == pytest.approx(0.6)
     assert policy.leaves[True].accepted == 0.0 and policy.leaves[True].confidence == 0.0
-
-
-def test_a_tree_is_kept_only_where_its_leaves_add_the_rounds_tree_price():
-    """The leaves that pay for their tokens add 0.1 + 0.07 over them (bar 0.2; values 0.3 and 0.9 x 0.3):
-    at a tree price of 0.1 the round keeps them, at 0.2 it verifies chains, and the checker says so."""
-    confidence, runner_ups = np.array([[0.9, 0.9]]), np.array([[[0.3, 0.05], [0.3, 0.05]]])
-    args = (runner_ups, confidence, np.array([2]), np.full((1, 2), 2), np.ones(1), np.ones(1), np.ones(1), 0.2)
-    for price, kept in ((0.1, True), (0.2, False)):
-        rule = GoodputRule(np.array([2]), np.ones(1), np.ones(1), np.ones(1), 0.2, 0.0, tree_price=price)
-        proposed, leaves = grow_tree(rule, confidence, runner_ups)
-        assert leaves.tolist() == [[1, 1]] and rule.leaf_surplus == pytest.approx(0.17)
-        assert rule.tree_pays() == kept
-        chains = np.zeros_like(leaves)
-        assert check_goodput_leaves(leaves if kept else chains, *args, price) == []
-        wrong = check_goodput_leaves(chains if kept else leaves, *args, price)
-        assert [(v.index, v.expected, v.actual) for v in wrong] == ([(0, 1, 0), (1, 1, 0)] if kept else
-                                                                     [(0, 0, 1), (1, 0, 1)])
-
-
-def timed_round(policy: Goodput, clock: list, rows: int, proposed: int, leaves: int, surcharge: float) -> None:
-    """Record a round that proposed `proposed` per row and verified `leaves` leaves besides: drafting
-    takes 4 ms a step (3 steps), verifying 40 ms + 1 ms a token, the rest of the round 2 ms, and a
-    round with leaves `surcharge` seconds more."""
-    tokens = rows * (1 + proposed) + leaves
-    draft, verify = 3 * 0.004, 0.04 + 0.001 * tokens
-    clock[0] += draft + verify + 0.002 + (surcharge if leaves else 0.0)
-    policy.record(RoundOutcome(np.arange(rows), np.full(rows, proposed), np.full(rows, 1), np.full((rows, 3), 0.8),
-                               3, draft, tokens, verify, ranked=leaves > 0, ended=clock[0]))
-
-
-@pytest.mark.parametrize("surcharge", [0.0, 0.002, 0.01])
-def test_a_tree_rounds_surcharge_is_measured_against_chain_rounds_of_its_tokens(surcharge):
-    """Tree rounds that took `surcharge` seconds more than chain rounds of as many verify tokens and
-    draft steps: the policy measures that surcharge, and prices it into the next rounds' tree price
-    (lam times it), so the same leaves make a tree where trees are cheap and chains where they are dear."""
-    policy, clock, rows = Goodput(4), [0.0], 4
-    for i in range(16):
-        leaves = 6 if i % 2 else 0
-        timed_round(policy, clock, rows, 1 + i % 3, leaves, surcharge)
-    assert policy.tree_surcharge(rows) == pytest.approx(surcharge, abs=1e-9)
-    rule = policy.plan(RoundInfo(np.arange(rows), np.full(rows, 3), None))
-    assert rule.tree_price == pytest.approx(0.0 if not surcharge else rule.bar / policy.verify_cost.slope()
-                                            * surcharge, rel=1e-6)
-    proposed, leaves = grow_tree(rule, np.full((rows, 3), 0.8), np.tile([0.3, 0.1], (rows, 3, 1)))
-    assert leaves.sum() > 0 and rule.tree_pays() == (surcharge < 0.005)  # the leaves add about 0.5 over their tokens
-
-
-def test_while_only_trees_were_seen_every_other_round_is_a_chain_until_both_are_measured():
-    """A chain round is the reference a tree round's surcharge is measured against: while the rounds
-    timed were trees, the next round is a chain (an infinite tree price), alternating, until EXPLORE
-    chain rounds were timed; a run without trees is never forced."""
-    policy, clock, rows = Goodput(4), [0.0], 2
-    timed_round(policy, clock, rows, 2, 4, 0.01)  # the first round record starts the clock: not timed
-    forced = []
-    for _ in range(12):
-        rule = policy.plan(RoundInfo(np.arange(rows), np.full(rows, 3), None))
-        forced.append(rule.tree_price == float("inf"))
-        assert rule.ranks_leaves == (not forced[-1])
-        rule.leaf_surplus = 0.0 if forced[-1] else 1e3  # leaves that pay for any tree round
-        timed_round(policy, clock, rows, 2, 0 if forced[-1] else 4, 0.01)
-    assert forced[:7] == [False, True, False, True, False, True, False] and not any(forced[7:])
-    assert policy.rounds_seen[False] == Goodput.EXPLORE
-    chains_only = Goodput(4)
-    for _ in range(6):
-        timed_round(chains_only, clock, rows, 2, 0, 0.0)
-        assert chains_only.plan(RoundInfo(np.arange(rows), np.full(rows, 3), None)).tree_price == 0.0
-
-
-def test_where_tree_rounds_leaves_added_less_than_their_price_the_next_rounds_rank_nothing():
-    """Tree rounds whose leaves added little over their tokens' price (a running average of the
-    rule's leaf_surplus) against a measured surcharge: the policy plans rounds of chains that rank no
-    runner-ups (an infinite tree price), and plans trees again where leaves added more."""
-    def policy_after(added: float) -> Goodput:
-        policy, clock, rows = Goodput(4), [0.0], 4
-        for i in range(16):
-            rule = policy.plan(RoundInfo(np.arange(rows), np.full(rows, 3), None))
-            rule.leaf_surplus = added if rule.ranks_leaves else 0.0
-            timed_round(policy, clock, rows, 1 + i % 3, 6 if rule.ranks_leaves else 0, 0.01)
-        return policy
-    poor, rich = policy_after(0.01), policy_after(50.0)
-    assert poor.surplus == pytest.approx(0.01) and rich.surplus > 1.0
-    assert poor.tree_surcharge(4) > 0 and rich.tree_surcharge(4) == pytest.approx(0.01)
-    assert not poor.plan(RoundInfo(np.arange(4), np.full(4, 3), None)).ranks_leaves
-    rule = rich.plan(RoundInfo(np.arange(4), np.full(4, 3), None))
-    assert rule.ranks_leaves and 0 < rule.tree_price < 50.0
