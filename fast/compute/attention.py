@@ -295,21 +295,28 @@ def flat_attention(query, key, value, scaling, softcap=None):
     """Attention of a flat forward: query [1, H, T, D] holds every row's queries end to end, key and
     value [R, Hkv, S, D] are the rows' caches; each FlatPart gathers its rows' queries into
     [n, H, Qmax, D], attends over its rows' first `length` slots with its own mask, and puts the
-    results back at the queries' flat positions."""
+    results back at the queries' flat positions. Returns [1, T, H, D], the layout the layer's output
+    projection reads (a decode step's single part with one query a row: a view, nothing copied)."""
     heads, dim = query.shape[1], value.shape[-1]
-    out = query.new_empty(1, heads, query.shape[2], dim)
+    tokens = query.shape[2]
     flat_q = query[0]  # [H, T, D]
-    for part in current_plan().flat:
+    parts = current_plan().flat
+    out = None
+    for part in parts:
         n, width = part.mask.shape[0], part.mask.shape[2]
         picked = flat_q[:, part.run] if part.run is not None else flat_q.index_select(1, part.tokens)
         q = picked.view(heads, n, width, query.shape[-1]).transpose(0, 1)
         o = plain_attention(q, rows_of(key, part.rows, part.length), rows_of(value, part.rows, part.length),
                             part.mask, scaling, softcap)  # [n, H, Qmax, D]
-        o = o.transpose(0, 1).reshape(heads, n * width, dim)
+        o = o.transpose(1, 2).reshape(n * width, heads, dim)  # [n Qmax, H, D]: a view where Qmax is 1
+        if len(parts) == 1 and part.run is not None and n * width == tokens:
+            return o[None]
+        if out is None:
+            out = o.new_empty(1, tokens, heads, dim)
         if part.run is not None:
-            out[0][:, part.run] = o
+            out[0, part.run] = o
         else:
-            out[0].index_copy_(1, part.targets, o.index_select(1, part.cells))
+            out[0].index_copy_(0, part.targets, o.index_select(0, part.cells))
     return out
 
 
@@ -343,9 +350,9 @@ def specbatch_attention(module, query, key, value, attention_mask, dropout: floa
     dtype = query.dtype
     if key.dtype != dtype:  # a wider cache (float32 K/V of a bfloat16 model): widen the queries once, not per part
         query = query.to(key.dtype)
-    if plan.flat is not None:
-        out = flat_attention(query, key, value, scaling, softcap)
-    elif plan.segments is not None and query.shape[2] >= SDPA_MIN_QUERIES and softcap is None:
+    if plan.flat is not None:  # [1, T, H, D] already
+        return flat_attention(query, key, value, scaling, softcap).to(dtype), None
+    if plan.segments is not None and query.shape[2] >= SDPA_MIN_QUERIES and softcap is None:
         out = segment_attention(query, key, value, plan.segments, scaling)
     elif query.shape[2] >= SDPA_MIN_QUERIES and dtype in (torch.float32, torch.float64) and softcap is None:
         length = max(length for _, length in plan.parts) if plan.parts else key.shape[2]

@@ -654,4 +654,6 @@ MUTANTS = [
     ("attention-mask-added-out-of-place", "attention", "fast/compute/attention.py",
      "scores.view(batch, kv_heads, group, queries, slots).add_(mask[:, :, None])",
      "scores.view(batch, kv_heads, group, queries, slots).add(mask[:, :, None])", RAGGED),
+    ("flat-attention-output-queries-and-heads-mixed", "attention", "fast/compute/attention.py",
+     "o = o.transpose(1, 2).reshape(n * width, heads, dim)", "o = o.reshape(n * width, heads, dim)", RAGGED),
 ]
