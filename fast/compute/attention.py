@@ -309,7 +309,7 @@ def flat_attention(query, key, value, scaling, softcap=None):
         o = plain_attention(q, rows_of(key, part.rows, part.length), rows_of(value, part.rows, part.length),
                             part.mask, scaling, softcap)  # [n, H, Qmax, D]
         o = o.transpose(1, 2).reshape(n * width, heads, dim)  # [n Qmax, H, D]: a view where Qmax is 1
-        if len(parts) == 1 and part.run is not None and n * width == tokens:
+        if len(parts) == 1 and part.run is not None:  # every query, in order: o is the output
             return o[None]
         if out is None:
             out = o.new_empty(1, tokens, heads, dim)
