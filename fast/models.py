@@ -42,12 +42,14 @@ class ModelRunner:
     is each row's visible length (host integers): fast.compute.attention then reads each group of rows of
     similar length only up to its own longest row."""
 
-    def __init__(self, model, lean: bool = False):
+    def __init__(self, model, lean: bool = False, native: bool = False):
         """lean: run a Llama model (fast.compute.lean_llama.supported) through LeanCausalLM, the same function
-        with fused projections and fewer operations per layer; other models run as they are."""
+        with fused projections and fewer operations per layer; other models run as they are. native:
+        LeanCausalLM runs the blocks of a flat forward in one C++ call (fast.compute.native)."""
         from .compute.lean_llama import LeanCausalLM, supported
         self.model = model
         self.lean = LeanCausalLM.of(model) if lean and supported(model) else None
+        self.native = native and self.lean is not None
         self.cache_kw = "cache" if self.lean is not None else cache_argument(model)
         self.tokens_processed = 0
         self.last_features = None
@@ -72,6 +74,8 @@ class ModelRunner:
             kwargs["logits_to_keep"] = 1
         if features is not None:
             kwargs["features"] = features
+        if self.native:
+            kwargs["native"] = True
         with torch.inference_mode(), forward_plan(kv_lens, input_ids.device, flat, segments):
             out = (self.lean or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                             use_cache=True, **kwargs)

@@ -170,8 +170,9 @@ def _generate(target, draft, prompts, opts: GenerateOptions, floor_chosen: bool,
                                  pad_token_id, vocab, tokenizer, check_invariants, trace, request_ids)
     settings.tree_branches = _tree_branches(opts, draft, k, runner, settings, vocab, trace)
     stats = Stats()
-    target_runner = ModelRunner(target, lean=opts.lean and not opts.compile)
-    draft_runner = ModelRunner(draft, lean=opts.lean and not opts.compile) if draft is not None else None
+    target_runner = ModelRunner(target, lean=opts.lean and not opts.compile, native=opts.native)
+    draft_runner = ModelRunner(draft, lean=opts.lean and not opts.compile, native=opts.native) \
+        if draft is not None else None
     leans = [r.lean for r in (target_runner, draft_runner) if r is not None and r.lean is not None]
     whole = held_whole(target, draft)  # a tensor-parallel target keeps its sharded layers (fast.compute.backend)
     backend = settings.backend

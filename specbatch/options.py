@@ -71,6 +71,9 @@ class GenerateOptions:
     compile: bool = _option(False, "torch.compile the MLP blocks and norms (inductor)")
     lean: bool = _option(True, "run Llama-architecture models through fast.compute.lean_llama (fused q/k/v and gate/up "
                                "products, fused norms: fewer operations per layer); other models run as they are")
+    native: bool = _option(True, "run the lean forward's blocks of ragged decode and verify steps in one C++ call, "
+                                 "bitwise the same (fast.compute.native: compiled once per machine; Python where "
+                                 "it cannot be built)")
     max_wait: int = _option(4, "exspec: rounds a row may wait for a same-length group")
     pool_window: int | None = _option(None, "exspec: rows the pool looks at (None: 4 x batch_size)")
 
@@ -215,7 +218,7 @@ def check_options(o: GenerateOptions, num_prompts: int, floor_chosen: bool = Tru
     check_int("max_wait", o.max_wait, 0)
     if o.pool_window is not None:
         check_int("pool_window", o.pool_window)
-    for name in ("prepack", "compile", "lean"):
+    for name in ("prepack", "compile", "lean", "native"):
         if not isinstance(getattr(o, name), bool):
             raise OptionError(f"{name} must be True or False, got {getattr(o, name)!r}")
     return o

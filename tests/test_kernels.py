@@ -314,11 +314,12 @@ def test_float32_generation_through_prepacked_layers_matches_up_to_ties(arch, st
 
 def test_a_prepacked_layer_that_drops_its_bias_is_caught(monkeypatch):
     """Mutation check: the generation test above fails when the bias is left out."""
-    def no_bias(module, packed, *plan):
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    class NoBias(kernels.PackedForward):
+        def __call__(self, x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
     target = with_random_biases(tiny("opt", dtype=torch.float32))
     want = oracle(target, PROMPTS, 12, [EOS])
-    monkeypatch.setattr(kernels, "_packed_forward", no_bias)
+    monkeypatch.setattr(kernels, "PackedForward", NoBias)
     result = specbatch.generate(target, None, PROMPTS, max_new_tokens=12, batch_size=3, strategy="ragged")
     reports = compare(target, PROMPTS, result.sequences, want, tolerance=1e-3)
     assert any(not r["exact"] and r["kind"] == "error" for r in reports)

@@ -57,18 +57,24 @@ def _packed_weight(module: torch.nn.Linear):
 PAD_ROWS = True  # pad row counts oneDNN runs slowly to a cheaper count, as measured (fast.compute.row_plan)
 
 
-def _packed_forward(module: torch.nn.Linear, packed, plans, key: str, time_pass, time_step):
-    """module's forward on its packed weight (or torch's product where the plans chose it); plans:
-    the process's row_plan.RowPlans, or None (no padding, always packed)."""
-    bias = module.bias
+class PackedForward:
+    """A linear module's forward on its packed weight, or torch's product where the plans chose it;
+    plans: the process's row_plan.RowPlans, or None (no padding, always packed)."""
 
-    def forward(x):
+    def __init__(self, module: torch.nn.Linear, packed, plans, key: str, time_pass, time_step):
+        self.module, self.packed, self.plans, self.key = module, packed, plans, key
+        self.time_pass, self.time_step = time_pass, time_step
+
+    def plan(self, rows: int, dtype) -> int:
+        """row_plan.product's plan for `rows` rows of `dtype`: PLAIN, or the rows to pad to."""
+        plans = self.plans
+        if dtype != self.packed.dtype or (plans is not None and plans.plain_for(self.key, rows, self.time_step)):
+            return row_plan.PLAIN  # mixed precision, or measured faster
+        return plans.rows_for(self.key, rows, self.time_pass) if plans is not None else rows
+
+    def __call__(self, x):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if x.dtype != packed.dtype or (plans is not None and plans.plain_for(key, rows, time_step)):
-            return torch.nn.functional.linear(x, module.weight, bias)  # mixed precision, or measured faster
-        padded = plans.rows_for(key, rows, time_pass) if plans is not None else rows
-        return row_plan.padded_product(x, packed, bias, padded)
-    return forward
+        return row_plan.product(x, self.module.weight, self.packed, self.module.bias, self.plan(rows, x.dtype))
 
 
 def _linears(models, skip=()):
@@ -161,7 +167,7 @@ def prepacked_linears(*models, enabled: bool = True, skip=()):
             time_step = step_timer(classes)
             for key, time_pass, members in classes:
                 for module, packed in members:
-                    module.forward = _packed_forward(module, packed, plans, key, time_pass, time_step)
+                    module.forward = PackedForward(module, packed, plans, key, time_pass, time_step)
                     swapped.append(module)
         yield len(swapped)
     finally:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .attention import specbatch_attention
 from .backend import sharded
+from .native import flat_blocks as native_blocks
 
 
 def supported(model) -> bool:
@@ -121,13 +122,18 @@ class LeanLlama(torch.nn.Module):
         self.norm, self.eps = base.norm.weight, config.rms_norm_eps
         self.rotary = base.rotary_emb
 
-    def forward(self, input_ids, position_ids, attention_mask, cache, added=None, final_norm=True):
+    def forward(self, input_ids, position_ids, attention_mask, cache, added=None, final_norm=True, native=False):
         """added: [B, Q, hidden] added to the token embeddings (fast.drafts.reduced_head's feature input).
-        final_norm=False: the last block's output, before the model's final norm."""
+        final_norm=False: the last block's output, before the model's final norm. native: run the
+        blocks of a flat forward in one C++ call where it can (fast.compute.native: bitwise the same)."""
         hidden = self.embed(input_ids) if added is None else self.embed(input_ids) + added
         cos, signed_sin = rotary_angles(self.rotary, hidden, position_ids)
-        for index, block in enumerate(self.blocks):
-            hidden = block.forward(hidden, cos, signed_sin, attention_mask, cache, index)
+        blocks_out = native_blocks(self, hidden, cos, signed_sin, cache) if native else None
+        if blocks_out is not None:
+            hidden = blocks_out
+        else:
+            for index, block in enumerate(self.blocks):
+                hidden = block.forward(hidden, cos, signed_sin, attention_mask, cache, index)
         return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.eps) if final_norm else hidden
 
 
@@ -167,8 +173,9 @@ class LeanCausalLM(torch.nn.Module):
                 block.self_attn.v_proj, block.mlp.gate_proj, block.mlp.up_proj)]
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=True,
-                logits_to_keep=0):
-        hidden = self.final_norm(self.decoder(input_ids, position_ids, attention_mask, cache, final_norm=False))
+                logits_to_keep=0, native=False):
+        hidden = self.final_norm(self.decoder(input_ids, position_ids, attention_mask, cache, final_norm=False,
+                                              native=native))
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return LeanOutput(self.head(hidden))

@@ -797,7 +797,7 @@ def add_model_args(p, draft_default=None, command=None):
                    "features, trained by training/train_feature_draft.py / train_conditioned_draft.py; ragged only), "
                    "'none' (target-only decoding); append '+lookup' to put prompt lookup in front of a draft model "
                    "(e.g. smollm2-draft+lookup)")
-    add_options(p, ("dtype", "device", "prepack", "compile", "lean"), command)
+    add_options(p, ("dtype", "device", "prepack", "compile", "lean", "native"), command)
 
 
 # How each GenerateOptions field becomes a flag: (argparse keywords); the help text and the default
@@ -842,6 +842,10 @@ def add_options(p, names, command=None):
             p.add_argument("--no-lean", dest="lean", action="store_false", default=None,
                            help="run Llama models through transformers' own modules instead of the engine's lean "
                                 "forward (fused projections)")
+        elif name == "native":
+            p.add_argument("--no-native", dest="native", action="store_false", default=None,
+                           help="run the lean forward's blocks in Python instead of the engine's C++ loop (the same "
+                                "operators; compiled once per machine)")
         elif name == "compile":
             p.add_argument("--compile", action="store_true", default=None, help=text.replace("%", "%%"))
         else:

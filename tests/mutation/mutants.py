@@ -17,6 +17,7 @@ SCHEDULING = ["tests/test_scheduling.py", "tests/test_fast_engine.py"]
 FEATURES = ["tests/test_feature_draft.py"]
 ATTENTION = ["tests/test_prefill_and_attention.py"]
 KERNELS = ["tests/test_kernels.py"]
+NATIVE = ["tests/test_native_blocks.py"]
 SPARES = ["tests/test_slot_cache_pool.py"]
 OPTIONS = ["tests/test_options.py"]
 HOSTILE = ["tests/test_hostile_files.py"]
@@ -234,8 +235,8 @@ MUTANTS = [
      "entry[\"plain\"][rows] = max(plain) < min(packed)", "entry[\"plain\"][rows] = min(plain) < min(packed)",
      KERNELS),
     ("plain-kernel-decision-ignored", "kernels", "fast/compute/kernels.py",
-     "if x.dtype != packed.dtype or (plans is not None and plans.plain_for(key, rows, time_step)):",
-     "if x.dtype != packed.dtype:", KERNELS),
+     "if dtype != self.packed.dtype or (plans is not None and plans.plain_for(self.key, rows, self.time_step)):",
+     "if dtype != self.packed.dtype:", KERNELS),
     ("step-timer-times-the-packed-kernel-twice", "kernels", "fast/compute/kernels.py",
      "row_plan.PLAIN if plain else rows)", "rows)", KERNELS),
     ("step-timer-reads-a-class-at-a-time", "kernels", "fast/compute/kernels.py",
@@ -656,4 +657,22 @@ MUTANTS = [
      "scores.view(batch, kv_heads, group, queries, slots).add(mask[:, :, None])", RAGGED),
     ("flat-attention-output-queries-and-heads-mixed", "attention", "fast/compute/attention.py",
      "o = o.transpose(1, 2).reshape(n * width, heads, dim)", "o = o.reshape(n * width, heads, dim)", RAGGED),
+    # the native block loop (fast/compute/native_blocks.cpp): each mutant is compiled on its own
+    ("native-rotation-rolls-the-heads", "native blocks", "fast/compute/native_blocks.cpp",
+     "return x * cos + x.roll({x.size(-1) / 2}, {-1}) * signed_sin;",
+     "return x * cos + x.roll({x.size(-1) / 2}, {-2}) * signed_sin;", NATIVE),
+    ("native-mask-ignored", "native blocks", "fast/compute/native_blocks.cpp",
+     "  scores.view({batch, kv_heads, group, queries, slots}).add_(mask.unsqueeze(2));\n", "", NATIVE),
+    ("native-values-written-from-the-keys", "native blocks", "fast/compute/native_blocks.cpp",
+     ".index_copy_(0, write, v.reshape({-1, v.size(-1)})", ".index_copy_(0, write, k.reshape({-1, k.size(-1)})",
+     NATIVE),
+    ("native-padded-product-keeps-the-wrong-rows", "native blocks", "fast/compute/native_blocks.cpp",
+     "return out.narrow(0, 0, rows).reshape(shape);", "return out.narrow(0, plan - rows, rows).reshape(shape);",
+     NATIVE),
+    ("native-single-part-shortcut-for-gathered-queries", "native blocks", "fast/compute/native_blocks.cpp",
+     "if (parts.size() == 1 && part.run_start >= 0) return o.unsqueeze(0);",
+     "if (parts.size() == 1) return o.unsqueeze(0);", NATIVE),
+    ("native-mlp-residual-dropped", "native blocks", "fast/compute/native_blocks.cpp",
+     "hidden = hidden + product(at::silu(gate_up[0]) * gate_up[1], w[3], p[3], plans[3]);",
+     "hidden = product(at::silu(gate_up[0]) * gate_up[1], w[3], p[3], plans[3]);", NATIVE),
 ]

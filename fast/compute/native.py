@@ -1,0 +1,137 @@
+"""The lean forward's block loop in C++, for the ragged strategy's decode and verify steps.
+
+At batch 1 a decoding step of SmolLM2-135M runs about 40 small operators a layer between its four
+products, and the Python interpreter around them costs about as much again as the operators
+themselves. native_blocks.cpp runs the lean forward's 30 blocks (fast.compute.lean_llama) for a flat
+forward (fast.compute.attention.flat_attention over a SlotCache) as one C++ call: the same ATen
+operators in the same order on the same operands, so its output is bitwise the Python path's
+(tests/test_native_blocks.py). Everything that depends on the forward is decided here in Python,
+once per forward instead of once per layer: each product's row plan (fast.compute.kernels), the
+flat attention's parts, and the cache slots the new keys and values go to.
+
+The extension is compiled by torch.utils.cpp_extension with the machine's C++ compiler the first time
+a process needs it (about 30 seconds on 2 cores), and kept in the specbatch cache folder
+($SPECBATCH_CACHE/native, one build per source, torch and Python version), so a machine compiles it
+once. Where it cannot be built (no compiler or no ninja), the lean forward runs its blocks in Python
+and says so once. `generate(..., native=False)` (`--no-native`) runs them in Python anyway;
+SPECBATCH_NATIVE=0 in the environment turns the native path off for the whole process.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .attention import current_plan
+from .kernels import PackedForward
+from .row_plan import PLAIN
+from .slot_cache import SlotCache
+
+SOURCE = Path(__file__).with_name("native_blocks.cpp")
+ENABLED = os.environ.get("SPECBATCH_NATIVE", "1") != "0"
+
+_LOCK = threading.Lock()
+_BUILT: dict = {}  # "module": the extension, or None where it cannot be built
+
+
+def build_name() -> str:
+    """The extension's name: one per source, torch version and Python version."""
+    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()).hexdigest()[:12]
+    return f"specbatch_native_{tag}"
+
+
+def extension():
+    """The compiled extension (built on first use, then loaded from the cache folder), or None where
+    this machine cannot build it or the environment turned it off."""
+    if not ENABLED:
+        return None
+    if "module" not in _BUILT:
+        with _LOCK:
+            if "module" not in _BUILT:
+                _BUILT["module"] = _build()
+    return _BUILT["module"]
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    from ..loading import cache_dir
+    name = build_name()
+    folder = cache_dir() / "native" / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob(f"{name}*.so")):
+            print("specbatch: compiling the native block loop (once per machine and torch version, about 30 s)",
+                  file=sys.stderr)
+        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(folder),
+                                  verbose=False)
+    except Exception as error:  # no compiler, ninja or headers, an unwritable cache: Python computes the same
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        warnings.warn(f"specbatch: the native block loop could not be built here ({reason}); "
+                      "the lean forward runs its blocks in Python", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def _product(module: torch.nn.Linear, rows: int, dtype):
+    """(plan, packed weight) of module's product of `rows` rows, as its forward would compute it
+    (fast.compute.kernels.PackedForward while prepacked, else torch's product); None for a forward
+    replaced by anything else."""
+    forward = vars(module).get("forward")
+    if forward is None:
+        return PLAIN, module.weight
+    if isinstance(forward, PackedForward):
+        return forward.plan(rows, dtype), forward.packed
+    return None
+
+
+def _parts(parts) -> tuple[list, list]:
+    """The flat attention's parts as flat_blocks takes them: five integers (row run start and stop,
+    or -1 and -1 for gathered rows; slots read; query run start and stop, or -1 and -1) and five
+    tensors (row index, query tokens, mask, cells, targets) each."""
+    empty = torch.empty(0, dtype=torch.long)
+    ints, tensors = [], []
+    for part in parts:
+        rows = (part.rows.start, part.rows.stop) if isinstance(part.rows, slice) else (-1, -1)
+        run = (part.run.start, part.run.stop) if part.run is not None else (-1, -1)
+        ints += [*rows, part.length, *run]
+        tensors += [empty if isinstance(part.rows, slice) else part.rows, part.tokens, part.mask, part.cells,
+                    part.targets]
+    return ints, tensors
+
+
+def flat_blocks(decoder, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, cache):
+    """decoder's blocks (fast.compute.lean_llama.LeanLlama) over `hidden` [1, T, width] in one C++ call,
+    bitwise what its Python loop computes; None where this forward is not one the C++ loop runs (not a
+    flat forward over an initialised SlotCache on the CPU, a product it cannot reproduce, or no
+    extension), and the caller runs the Python loop."""
+    plan = current_plan()
+    if plan.flat is None or plan.fused or not isinstance(cache, SlotCache) or cache.packed \
+            or hidden.device.type != "cpu" or len(cache.layers) != len(decoder.blocks) \
+            or not all(layer.is_initialized for layer in cache.layers):
+        return None
+    module = extension()
+    if module is None:
+        return None
+    rows = hidden.shape[0] * hidden.shape[1]
+    first = decoder.blocks[0]
+    norms, weights, packed, plans = [], [], [], None
+    for block in decoder.blocks:
+        products = [_product(linear, rows, hidden.dtype) for linear in (block.qkv, block.o, block.gate_up, block.down)]
+        if None in products or (plans is not None and [p for p, _ in products] != plans):
+            return None
+        plans = [p for p, _ in products]
+        norms += [block.attention_norm, block.mlp_norm]
+        weights += [block.qkv.weight, block.o.weight, block.gate_up.weight, block.down.weight]
+        packed += [w for _, w in products]
+    keys = [layer.keys for layer in cache.layers]
+    values = [layer.values for layer in cache.layers]
+    write = cache.flat_index(keys[0].shape[1], keys[0].shape[2])
+    ints, tensors = _parts(plan.flat)
+    return module.flat_blocks(hidden, cos, signed_sin, norms, weights, packed, plans, keys, values, write,
+                              cache.rows, cache.kv_len, first.heads, first.kv_heads, first.head_dim, first.eps,
+                              first.scaling, plan.sdpa, ints, tensors)

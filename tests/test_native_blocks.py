@@ -1,0 +1,119 @@
+"""fast.compute.native: the lean forward's C++ block loop computes bitwise what its Python loop computes,
+in every flat forward the ragged strategy runs (decode, chain and tree verify, float64, float32 on
+prepacked and padded products, bfloat16 over a float32 cache, SDPA's kernel, gathered row parts),
+and the engine falls back to Python where the extension cannot be built."""
+import os
+import shutil
+
+import pytest
+import torch
+
+import specbatch
+from hf_models import EOS, FIXED_K, oracle, tiny
+from specbatch.fast.compute import attention, lean_llama, native, row_plan
+from specbatch.fast.drafts.scripted import ScriptedDraft
+from specbatch.reference import deviate_hashed
+
+PROMPTS = [[1, 5, 9, 4], [3, 3], [8, 2, 6, 1, 9, 9, 4, 7, 7, 2, 5], [6], [2, 4, 6, 8, 1, 3, 5]]
+
+COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+pytestmark = pytest.mark.skipif(not COMPILER, reason="no C++ compiler here: the engine runs its blocks in Python")
+
+
+def test_the_extension_builds_where_there_is_a_compiler():
+    assert native.extension() is not None
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """Every native forward is checked against the Python loop on the same inputs and cache: the
+    outputs and every K/V buffer after the forward must be bitwise equal. Yields the list of
+    forwards checked."""
+    real, forwards = native.flat_blocks, []
+
+    def both(decoder, hidden, cos, signed_sin, cache):
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers if layer.is_initialized]
+        out = real(decoder, hidden, cos, signed_sin, cache)
+        if out is None:
+            return None
+        after = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        for layer, (keys, values) in zip(cache.layers, before):
+            layer.keys.copy_(keys)
+            layer.values.copy_(values)
+        python = hidden
+        for index, block in enumerate(decoder.blocks):
+            python = block.forward(python, cos, signed_sin, None, cache, index)
+        assert out.dtype == python.dtype and torch.equal(out, python), "native output differs from Python's"
+        for layer, (keys, values) in zip(cache.layers, after):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values), "native K/V differ"
+        forwards.append(hidden.shape[1])
+        return out
+
+    monkeypatch.setattr(lean_llama, "native_blocks", both)
+    return forwards
+
+
+def generate(target, draft=None, **kw):
+    return specbatch.generate(target, draft, PROMPTS, max_new_tokens=10, batch_size=3, strategy="ragged",
+                              eos_token_id=[EOS], **kw)
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_native_blocks_are_the_python_loop_bitwise_and_exact_in_float64(checked, branches):
+    target = tiny("llama", layers=2, seed=0)
+    draft = ScriptedDraft(target, deviate_hashed(2, 0.3), swap=True)
+    result = generate(target, draft, num_draft_tokens=3, tree_branches=branches, check_invariants=True, **FIXED_K)
+    assert result.sequences == oracle(target, PROMPTS, 10, [EOS])
+    assert max(checked) > 3  # verify forwards (several queries per row) ran natively, not only decode steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_blocks_on_prepacked_and_padded_products(checked, monkeypatch, dtype):
+    """Every row count padded by two rows, or odd counts on torch's product: both kernels, natively."""
+    plans = row_plan.RowPlans(None, row_plan.machine_key())
+    monkeypatch.setattr(row_plan, "plans", lambda: plans)
+    monkeypatch.setattr(plans, "plain_for", lambda key, rows, time_step: rows % 2 == 1)
+    monkeypatch.setattr(plans, "rows_for", lambda key, rows, time_pass: rows + 2)
+    target = tiny("llama", layers=2, seed=4, dtype=dtype)
+    draft = ScriptedDraft(target, deviate_hashed(5, 0.3))
+    generate(target, draft, num_draft_tokens=3, **FIXED_K)
+    assert {n % 2 for n in checked} == {0, 1}
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_native_blocks_with_gathered_row_parts_and_sdpa(checked, monkeypatch, sdpa):
+    """A part costs one row-slot: rows are split into up to four parts, some gathered by index."""
+    monkeypatch.setattr(attention, "_measured_pricing", lambda modules: (sdpa, 1.0))
+    target = tiny("llama", layers=2, seed=6, dtype=torch.float32, num_attention_heads=4, num_key_value_heads=2)
+    draft = ScriptedDraft(target, deviate_hashed(7, 0.4))
+    generate(target, draft, num_draft_tokens=2, tree_branches=2, temperature=0.8, **FIXED_K)
+    assert checked
+
+
+def test_native_off_and_unavailable_run_the_python_loop(checked, monkeypatch):
+    target = tiny("llama", layers=2, seed=0)
+    want = oracle(target, PROMPTS, 10, [EOS])
+    assert generate(target, native=False).sequences == want and checked == []
+    monkeypatch.setattr(native, "extension", lambda: None)
+    assert generate(target).sequences == want and checked == []
+    assert generate(tiny("qwen3", layers=2, seed=0)).sequences == oracle(tiny("qwen3", layers=2, seed=0), PROMPTS,
+                                                                       10, [EOS]) and checked == []
+
+
+def test_a_source_that_does_not_build_falls_back_with_one_warning(tmp_path, monkeypatch):
+    broken = tmp_path / "native_blocks.cpp"
+    broken.write_text("#include <torch/extension.h>\nthis is not C++;\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "_BUILT", {})
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="could not be built here.*runs its blocks in Python"):
+        assert native.extension() is None
+    assert native.extension() is None  # decided once per process
+
+
+def test_the_cli_turns_it_off():
+    from specbatch.cli.commands import build_parser
+    from specbatch.options import DEFAULTS
+    assert build_parser().parse_args(["generate", "--target", "smollm2", "--prompts", "p.jsonl", "--no-native"]).native is False
+    assert build_parser().parse_args(["generate", "--target", "smollm2", "--prompts", "p.jsonl"]).native is None  # the default: on
+    assert DEFAULTS.native is True
