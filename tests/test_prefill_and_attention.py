@@ -157,13 +157,16 @@ def test_a_group_read_cut_short_changes_the_output():
     assert current_plan() == Plan()  # the plan ends with its block
 
 
-@pytest.mark.parametrize("strategy", ["ragged", "eqspec", "exspec"])
-def test_prompts_of_1_to_700_tokens_in_one_admission(strategy):
+@pytest.mark.parametrize("strategy,native", [("ragged", True), ("ragged", False), ("eqspec", True),
+                                             ("exspec", True)])
+def test_prompts_of_1_to_700_tokens_in_one_admission(strategy, native):
+    """native=False: the ragged verify's flat attention in Python (the lean Llama target's blocks
+    otherwise run in C++, fast.compute.native)."""
     target = long_target()
     want = oracle(target, LONG, 6, [EOS])
     draft = tiny("llama", layers=1, seed=3, max_position_embeddings=1024)
     result = specbatch.generate(target, draft, LONG, max_new_tokens=6, num_draft_tokens=3, batch_size=len(LONG),
-                                strategy=strategy, pad_token_id=EOS, check_invariants=True, **FIXED_K)
+                                strategy=strategy, pad_token_id=EOS, check_invariants=True, native=native, **FIXED_K)
     assert result.sequences == want
     assert result.stats["target_tokens_processed"] < sum(LENGTHS) + len(LONG) * 6 * 4  # no padded rectangle
 
