@@ -3,8 +3,13 @@
 For each batch size and method (target-only decoding, and speculation with --draft), runs the
 engine with native=True and native=False in turn, the order alternating between repeats, and
 reports tokens per second, the target's mean forward per round (time_verify / rounds: a decoding
-step for target-only, a verify for speculation), the Python/native ratio of each, and whether the
-two produced the same tokens (they must: the native loop is bitwise the Python one). A calibration
+step for target-only, a verify for speculation), the Python/native ratio of each, whether the two
+produced the same tokens, and every output judged against target-only decoding at batch 1 (bitwise
+equal, else its first divergence a floating-point tie or an error by the ulp rule:
+specbatch.cli.bench.Judge). The native loop is bitwise the Python one, so a difference between the
+two can only come from the run: the goodput policy drafts by measured costs, so two runs may verify
+different numbers of tokens, and in bfloat16 a product's rounding depends on its row count beyond
+the rows where the kernel is row-invariant (a tie may then go either way). A calibration
 before and after says whether the run may be quoted (specbatch.cli.calibration). Models load once;
 every run is warm.
 
@@ -67,12 +72,15 @@ def main() -> None:
     from specbatch.options import defaults
     prepare_kernels(target, draft, defaults())
     methods = [("target-only", None)] + ([("speculative", draft)] if draft is not None else [])
+    from specbatch.cli.bench import Judge, agreement, least_agreeing
+    reference = generate(target, None, ids, max_new_tokens=args.max_new_tokens, batch_size=1).sequences
+    judge = Judge(target, ids, reference, greedy=True)
     before = calibration.calibrate()
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         for method, model in methods:
             for native_on in (True, False):
-                timed(target, model, ids[:batch], batch, 8, native_on)  # warm
+                timed(target, model, ids, batch, args.max_new_tokens, native_on)  # warm: buffers of full size
             runs = {True: [], False: []}
             for repeat in range(args.repeats):
                 for native_on in ((True, False) if repeat % 2 == 0 else (False, True)):
@@ -84,7 +92,9 @@ def main() -> None:
                        native_forward_ms=median("forward_ms", True), python_forward_ms=median("forward_ms", False),
                        speedups=[n["tokens_per_second"] / p["tokens_per_second"]
                                  for n, p in zip(runs[True], runs[False])],
-                       same_tokens=all(n["sequences"] == p["sequences"] for n, p in zip(runs[True], runs[False])))
+                       same_tokens=all(n["sequences"] == p["sequences"] for n, p in zip(runs[True], runs[False])),
+                       native_exact=agreement(least_agreeing([judge(r["sequences"]) for r in runs[True]]), len(ids)),
+                       python_exact=agreement(least_agreeing([judge(r["sequences"]) for r in runs[False]]), len(ids)))
             rows.append(row)
             print(f"batch {batch} {method}: native {row['native_forward_ms']:.1f} ms, python "
                   f"{row['python_forward_ms']:.1f} ms a forward", file=sys.stderr, flush=True)
@@ -97,10 +107,12 @@ def main() -> None:
     lines = [f"`{report['command']}`", "", f"Machine: {report['machine']['summary']}.", "",
              calibration.describe(before, after, judged), "",
              "| batch | method | target forward, Python (ms) | native (ms) | tokens/s, Python | native | "
-             "native / Python (each repeat) | same tokens |", "|---|---|---|---|---|---|---|---|"]
+             "native / Python (each repeat) | same tokens | exact, native | exact, Python |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['method']} | {r['python_forward_ms']:.1f} | {r['native_forward_ms']:.1f} | "
               f"{r['python_tokens_per_second']:.1f} | {r['native_tokens_per_second']:.1f} | "
-              f"{', '.join(f'{s:.2f}x' for s in r['speedups'])} | {'yes' if r['same_tokens'] else 'NO'} |"
+              f"{', '.join(f'{s:.2f}x' for s in r['speedups'])} | {'yes' if r['same_tokens'] else 'no'} | "
+              f"{r['native_exact']['exact']} | {r['python_exact']['exact']} |"
               for r in rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

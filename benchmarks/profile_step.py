@@ -75,7 +75,9 @@ def main():
     ap.add_argument("--show-ops", type=int, default=0, help="also list the N largest uncategorised operators")
     args = ap.parse_args()
     model, ids = load_ids(args)
-    op_times(model, ids, 2)  # warm up
+    # warm up at the longer run's length: K/V buffers are kept between generations, and a first run
+    # that needs larger ones pays for paging them in (it counted as some 13 ms of fill_ a step)
+    op_times(model, ids, 2 + args.steps)
     # both runs decode (a 1-token run stops after the prefill and never allocates the decode cache,
     # whose zeroing would then count as STEPS steps' work)
     base, _ = op_times(model, ids, 2)
