@@ -77,16 +77,19 @@ def _build():
         return None
 
 
-def _product(module: torch.nn.Linear, rows: int, dtype):
-    """(plan, packed weight) of module's product of `rows` rows, as its forward would compute it
-    (fast.compute.kernels.PackedForward while prepacked, else torch's product); None for a forward
-    replaced by anything else."""
+def _forward(module: torch.nn.Linear):
+    """module's forward as the lean forward calls it: its class's (None), a PackedForward while
+    prepacked (fast.compute.kernels), or something else (False: the native loop cannot reproduce it)."""
     forward = vars(module).get("forward")
-    if forward is None:
-        return PLAIN, module.weight
-    if isinstance(forward, PackedForward):
-        return forward.plan(rows, dtype), forward.packed
-    return None
+    return forward if forward is None or isinstance(forward, PackedForward) else False
+
+
+def _plan(module: torch.nn.Linear, rows: int, dtype):
+    """row_plan.product's plan for module's product of `rows` rows, as its forward decides it."""
+    forward = _forward(module)
+    if forward is False:
+        return None
+    return PLAIN if forward is None else forward.plan(rows, dtype)
 
 
 def _parts(parts) -> tuple[list, list]:
@@ -119,15 +122,20 @@ def flat_blocks(decoder, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: to
         return None
     rows = hidden.shape[0] * hidden.shape[1]
     first = decoder.blocks[0]
-    norms, weights, packed, plans = [], [], [], None
+    kinds = lambda block: (block.qkv, block.o, block.gate_up, block.down)  # noqa: E731
+    plans = [_plan(linear, rows, hidden.dtype) for linear in kinds(first)]  # one shape class per kind
+    if None in plans:
+        return None
+    unpacked = [_forward(linear) is None for linear in kinds(first)]
+    norms, weights, packed = [], [], []
     for block in decoder.blocks:
-        products = [_product(linear, rows, hidden.dtype) for linear in (block.qkv, block.o, block.gate_up, block.down)]
-        if None in products or (plans is not None and [p for p, _ in products] != plans):
-            return None
-        plans = [p for p, _ in products]
+        for linear, plain in zip(kinds(block), unpacked):
+            forward = _forward(linear)
+            if forward is False or (forward is None) != plain:
+                return None  # a forward replaced by something else, or prepacked unlike the first block's
+            packed.append(linear.weight if forward is None else forward.packed)
         norms += [block.attention_norm, block.mlp_norm]
         weights += [block.qkv.weight, block.o.weight, block.gate_up.weight, block.down.weight]
-        packed += [w for _, w in products]
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
     write = cache.flat_index(keys[0].shape[1], keys[0].shape[2])
