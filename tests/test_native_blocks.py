@@ -24,6 +24,37 @@ def test_the_extension_builds_where_there_is_a_compiler():
     assert native.extension() is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_element_wise_kernels_compute_torchs_steps_each_row_on_its_own(dtype):
+    """rms_norm, rotate and silu_mul against lean_llama.TorchOps up to rounding (widths that are and
+    are not a multiple of the kernels' 16 lanes; the rotation reads the q/k heads of a wider q/k/v
+    product); and a row's result is bitwise the same alone and among 13 rows (I8)."""
+    kernels, ops = native.extension(), lean_llama.TORCH_OPS
+    generator = torch.Generator().manual_seed(3)
+    randn = lambda *shape: (4 * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)  # noqa: E731
+    tolerance = {torch.float64: 1e-12, torch.float32: 4e-6, torch.bfloat16: 2e-2}[dtype]
+
+    def close(a, b):
+        scale = b.double().abs().max().item()
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert (a.double() - b.double()).abs().max().item() <= tolerance * scale
+
+    for width in (100, 576):
+        x, weight = randn(1, 13, width), randn(width)
+        close(kernels.rms_norm(x, weight, 1e-5), ops.rms_norm(x, weight, 1e-5))
+        gate_up = randn(1, 13, 2 * width)
+        close(kernels.silu_mul(gate_up), ops.silu_mul(gate_up))
+        assert torch.equal(kernels.rms_norm(x[:, 5:6], weight, 1e-5), kernels.rms_norm(x, weight, 1e-5)[:, 5:6])
+        assert torch.equal(kernels.silu_mul(gate_up[:, 5:6]), kernels.silu_mul(gate_up)[:, 5:6])
+    qkv, cos, signed_sin = randn(1, 13, 6, 64), randn(1, 13, 1, 64), randn(1, 13, 1, 64)
+    close(kernels.rotate(qkv[:, :, :4], cos, signed_sin), ops.rotate(qkv[:, :, :4], cos, signed_sin))
+    assert torch.equal(kernels.rotate(qkv[:, 5:6, :4], cos[:, 5:6], signed_sin[:, 5:6]),
+                       kernels.rotate(qkv[:, :, :4], cos, signed_sin)[:, 5:6])
+    if dtype == torch.float32:  # SiLU's exp over its whole range: saturated, tiny and ordinary gates
+        gate_up = torch.tensor([[-200.0, -87.5, -30.0, -1e-3, 0.0, 2.5, 40.0, 200.0] + [1.0] * 8])
+        close(kernels.silu_mul(gate_up), ops.silu_mul(gate_up))
+
+
 @pytest.fixture
 def checked(monkeypatch):
     """Every native forward is checked against the Python loop on the same inputs and cache: the
@@ -40,9 +71,9 @@ def checked(monkeypatch):
         for layer, (keys, values) in zip(cache.layers, before):
             layer.keys.copy_(keys)
             layer.values.copy_(values)
-        python = hidden
+        python, ops = hidden, native.element_ops(hidden)
         for index, block in enumerate(decoder.blocks):
-            python = block.forward(python, cos, signed_sin, None, cache, index)
+            python = block.forward(python, cos, signed_sin, None, cache, index, ops)
         assert out.dtype == python.dtype and torch.equal(out, python), "native output differs from Python's"
         for layer, (keys, values) in zip(cache.layers, after):
             assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values), "native K/V differ"
@@ -78,6 +109,24 @@ def test_native_blocks_on_prepacked_and_padded_products(checked, monkeypatch, dt
     draft = ScriptedDraft(target, deviate_hashed(5, 0.3))
     generate(target, draft, num_draft_tokens=3, **FIXED_K)
     assert {n % 2 for n in checked} == {0, 1}
+
+
+def test_weights_changed_between_runs_are_read_anew(checked, monkeypatch):
+    """The native loop keeps its lists of weights per decoder between forwards; a weight changed in
+    place between two runs is repacked, and the second run must read the new packed copy."""
+    plans = row_plan.RowPlans(None, row_plan.machine_key())
+    monkeypatch.setattr(row_plan, "plans", lambda: plans)
+    monkeypatch.setattr(plans, "plain_for", lambda key, rows, time_step: False)
+    monkeypatch.setattr(plans, "rows_for", lambda key, rows, time_pass: rows)
+    target = tiny("llama", layers=2, seed=8, dtype=torch.float32)
+    first = generate(target).sequences
+    with torch.no_grad():
+        for layer in target.model.layers:  # the output and down projections are the model's own modules
+            layer.self_attn.o_proj.weight.mul_(-3.0)
+            layer.mlp.down_proj.weight.mul_(-3.0)
+    checked.clear()
+    second = generate(target).sequences
+    assert checked and second != first
 
 
 @pytest.mark.parametrize("sdpa", [False, True])

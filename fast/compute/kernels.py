@@ -32,6 +32,19 @@ from . import row_plan
 
 PACKABLE = (torch.float32, torch.bfloat16)
 
+_SWAPS = 0  # how many times prepacked_linears or compiled_blocks swapped linear forwards in or out
+
+
+def swaps() -> int:
+    """A count that changes whenever prepacked_linears or compiled_blocks swaps the forwards of some
+    modules in or out: what was derived from the modules' forwards stays valid while it is the same."""
+    return _SWAPS
+
+
+def _swapped():
+    global _SWAPS
+    _SWAPS += 1
+
 
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
@@ -169,10 +182,12 @@ def prepacked_linears(*models, enabled: bool = True, skip=()):
                 for module, packed in members:
                     module.forward = PackedForward(module, packed, plans, key, time_pass, time_step)
                     swapped.append(module)
+            _swapped()
         yield len(swapped)
     finally:
         for module in swapped:
             del module.forward  # the class's own forward again
+        _swapped()
 
 
 def _compilable(models):
@@ -211,8 +226,10 @@ def compiled_blocks(*models, enabled: bool = False, cache_dir=None):
     try:
         for module in modules:
             module.forward = torch.compile(type(module).forward.__get__(module), dynamic=True)
+        _swapped()
         yield modules
     finally:
         for module in modules:
             vars(module).pop("forward", None)
+        _swapped()
         inductor_config.freezing, torch._dynamo.config.cache_size_limit = saved

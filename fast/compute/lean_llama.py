@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .attention import specbatch_attention
 from .backend import sharded
+from .native import element_ops
 from .native import flat_blocks as native_blocks
 
 
@@ -74,6 +75,26 @@ def rotate(x, cos, signed_sin):
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+class TorchOps:
+    """A block's element-wise steps by torch's operators. fast.compute.native's extension has the same
+    three, each one kernel (element_ops); a forward uses one or the other for all its blocks."""
+
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    rotate = staticmethod(rotate)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        """silu(gate) * up of a fused gate/up product [.., 2 I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+TORCH_OPS = TorchOps()
+
+
 class LeanBlock(torch.nn.Module):
     """One decoder layer: pre-norm attention and pre-norm SwiGLU MLP, each with its residual."""
 
@@ -90,22 +111,22 @@ class LeanBlock(torch.nn.Module):
         self.down = mlp.down_proj
         self.attention_norm, self.mlp_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
 
-    def forward(self, hidden, cos, signed_sin, mask, cache, index: int):
-        """cos, signed_sin: rotary_angles of the forward's positions."""
+    def forward(self, hidden, cos, signed_sin, mask, cache, index: int, ops=TORCH_OPS):
+        """cos, signed_sin: rotary_angles of the forward's positions. ops: the element-wise steps'
+        kernels (TORCH_OPS, or fast.compute.native.element_ops)."""
         batch, queries, width = hidden.shape
-        x = F.rms_norm(hidden, (width,), self.attention_norm, self.eps)
+        x = ops.rms_norm(hidden, self.attention_norm, self.eps)
         qkv = self.qkv.forward(x).view(batch, queries, -1, self.head_dim)  # [B, Q, H + 2 Hkv, D]
         rotated = self.heads + self.kv_heads
-        qk = rotate(qkv[:, :, :rotated], cos, signed_sin)  # q's and k's heads: one rotation, every head alike
+        qk = ops.rotate(qkv[:, :, :rotated], cos, signed_sin)  # q's and k's heads: one rotation, every head alike
         q, k = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
         v = qkv[:, :, rotated:].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, index)
         out, _ = specbatch_attention(self, q, k, v, mask, scaling=self.scaling)  # [B, Q, H, D]
         hidden = hidden + self.o.forward(out.reshape(batch, queries, -1))
-        x = F.rms_norm(hidden, (width,), self.mlp_norm, self.eps)
-        gate, up = self.gate_up.forward(x).chunk(2, dim=-1)
-        return hidden + self.down.forward(F.silu(gate) * up)
+        x = ops.rms_norm(hidden, self.mlp_norm, self.eps)
+        return hidden + self.down.forward(ops.silu_mul(self.gate_up.forward(x)))
 
 
 class LeanLlama(torch.nn.Module):
@@ -125,15 +146,17 @@ class LeanLlama(torch.nn.Module):
     def forward(self, input_ids, position_ids, attention_mask, cache, added=None, final_norm=True, native=False):
         """added: [B, Q, hidden] added to the token embeddings (fast.drafts.reduced_head's feature input).
         final_norm=False: the last block's output, before the model's final norm. native: run the
-        blocks of a flat forward in one C++ call where it can (fast.compute.native: bitwise the same)."""
+        blocks of a flat forward in one C++ call where it can, and the others with its element-wise
+        kernels (fast.compute.native: the two loops compute bitwise the same)."""
         hidden = self.embed(input_ids) if added is None else self.embed(input_ids) + added
         cos, signed_sin = rotary_angles(self.rotary, hidden, position_ids)
         blocks_out = native_blocks(self, hidden, cos, signed_sin, cache) if native else None
         if blocks_out is not None:
             hidden = blocks_out
         else:
+            ops = (element_ops(hidden) if native else None) or TORCH_OPS
             for index, block in enumerate(self.blocks):
-                hidden = block.forward(hidden, cos, signed_sin, attention_mask, cache, index)
+                hidden = block.forward(hidden, cos, signed_sin, attention_mask, cache, index, ops)
         return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.eps) if final_norm else hidden
 
 

@@ -23,11 +23,13 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
 
 from .attention import current_plan
+from . import kernels
 from .kernels import PackedForward
 from .row_plan import PLAIN
 from .slot_cache import SlotCache
@@ -37,11 +39,21 @@ ENABLED = os.environ.get("SPECBATCH_NATIVE", "1") != "0"
 
 _LOCK = threading.Lock()
 _BUILT: dict = {}  # "module": the extension, or None where it cannot be built
+_LISTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # decoder -> (key, _block_lists' answer)
+
+
+def compile_flags() -> list[str]:
+    """-O3, and the vector instructions torch uses on this CPU (its CPU capability), so that the
+    element-wise kernels' loops vectorize as wide as torch's own."""
+    isa = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+           "AVX2": ["-mavx2", "-mfma"]}.get(torch.backends.cpu.get_cpu_capability(), [])
+    return ["-O3", "-fno-math-errno", "-fno-trapping-math", *isa]  # no errno or traps: loops over exp vectorize
 
 
 def build_name() -> str:
-    """The extension's name: one per source, torch version and Python version."""
-    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()).hexdigest()[:12]
+    """The extension's name: one per source, flags, torch version and Python version."""
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags()).encode() + torch.__version__.encode()
+                         + sys.version.encode()).hexdigest()[:12]
     return f"specbatch_native_{tag}"
 
 
@@ -68,13 +80,25 @@ def _build():
         if not any(folder.glob(f"{name}*.so")):
             print("specbatch: compiling the native block loop (once per machine and torch version, about 30 s)",
                   file=sys.stderr)
-        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(folder),
+        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=compile_flags(), build_directory=str(folder),
                                   verbose=False)
     except Exception as error:  # no compiler, ninja or headers, an unwritable cache: Python computes the same
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         warnings.warn(f"specbatch: the native block loop could not be built here ({reason}); "
                       "the lean forward runs its blocks in Python", RuntimeWarning, stacklevel=2)
         return None
+
+
+ELEMENT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def element_ops(hidden: torch.Tensor):
+    """The extension's element-wise kernels (rms_norm, rotate, silu_mul: fast.compute.lean_llama.TorchOps'
+    three steps) for blocks over `hidden`, or None where they do not apply (not on the CPU, a dtype
+    they do not take, or no extension)."""
+    if hidden.device.type != "cpu" or hidden.dtype not in ELEMENT_DTYPES:
+        return None
+    return extension()
 
 
 def _forward(module: torch.nn.Linear):
@@ -107,6 +131,39 @@ def _parts(parts) -> tuple[list, list]:
     return ints, tensors
 
 
+def _block_lists(decoder):
+    """What flat_blocks passes for decoder's blocks, made once per decoder and kept while no forward
+    was swapped since (kernels.swaps()) and the first block holds the same weight: per kind of product
+    (q/k/v, output, gate/up, down) the first block's module, and per block its norm weights, weights
+    and the weights its product reads (packed, or the weight itself). None where a block's product is
+    one the C++ loop cannot reproduce, or is prepacked unlike the first block's (one shape class per
+    kind)."""
+    first = decoder.blocks[0]
+    key = (kernels.swaps(), len(decoder.blocks), id(first.qkv.weight))
+    cached = _LISTS.get(decoder)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    kinds = lambda block: (block.qkv, block.o, block.gate_up, block.down)  # noqa: E731
+    unpacked = [_forward(linear) is None for linear in kinds(first)]
+    norms, weights, packed = [], [], []
+    lists = None
+    for block in decoder.blocks:
+        for linear, plain in zip(kinds(block), unpacked):
+            forward = _forward(linear)
+            if forward is False or (forward is None) != plain:
+                break  # a forward replaced by something else, or prepacked unlike the first block's
+            packed.append(linear.weight if forward is None else forward.packed)
+        else:
+            norms += [block.attention_norm, block.mlp_norm]
+            weights += [block.qkv.weight, block.o.weight, block.gate_up.weight, block.down.weight]
+            continue
+        break
+    else:
+        lists = (kinds(first), norms, weights, packed)
+    _LISTS[decoder] = (key, lists)
+    return lists
+
+
 def flat_blocks(decoder, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, cache):
     """decoder's blocks (fast.compute.lean_llama.LeanLlama) over `hidden` [1, T, width] in one C++ call,
     bitwise what its Python loop computes; None where this forward is not one the C++ loop runs (not a
@@ -118,28 +175,19 @@ def flat_blocks(decoder, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: to
             or not all(layer.is_initialized for layer in cache.layers):
         return None
     module = extension()
-    if module is None:
+    lists = _block_lists(decoder) if module is not None else None
+    if lists is None:
         return None
+    firsts, norms, weights, packed = lists
     rows = hidden.shape[0] * hidden.shape[1]
-    first = decoder.blocks[0]
-    kinds = lambda block: (block.qkv, block.o, block.gate_up, block.down)  # noqa: E731
-    plans = [_plan(linear, rows, hidden.dtype) for linear in kinds(first)]  # one shape class per kind
+    plans = [_plan(linear, rows, hidden.dtype) for linear in firsts]  # one shape class per kind
     if None in plans:
         return None
-    unpacked = [_forward(linear) is None for linear in kinds(first)]
-    norms, weights, packed = [], [], []
-    for block in decoder.blocks:
-        for linear, plain in zip(kinds(block), unpacked):
-            forward = _forward(linear)
-            if forward is False or (forward is None) != plain:
-                return None  # a forward replaced by something else, or prepacked unlike the first block's
-            packed.append(linear.weight if forward is None else forward.packed)
-        norms += [block.attention_norm, block.mlp_norm]
-        weights += [block.qkv.weight, block.o.weight, block.gate_up.weight, block.down.weight]
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
     write = cache.flat_index(keys[0].shape[1], keys[0].shape[2])
     ints, tensors = _parts(plan.flat)
+    first = decoder.blocks[0]
     return module.flat_blocks(hidden, cos, signed_sin, norms, weights, packed, plans, keys, values, write,
                               cache.rows, cache.kv_len, first.heads, first.kv_heads, first.head_dim, first.eps,
                               first.scaling, plan.sdpa, ints, tensors)

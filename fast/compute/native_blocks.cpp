@@ -1,22 +1,148 @@
-// The lean Llama block loop of a flat forward, in C++ (fast/compute/native.py builds it once per machine).
+// The lean Llama block loop of a flat forward, in C++ (fast/compute/native.py builds it once per machine),
+// and the element-wise kernels both block loops share.
 //
-// It calls the same ATen operators, in the same order and on the same operands, as the Python path:
-// fast/compute/lean_llama.py's LeanBlock.forward, the SlotCache's update (fast/compute/slot_cache.py),
-// fast/compute/attention.py's flat_attention and plain_attention, and fast/compute/kernels.py's choice
-// of product. So its output is bitwise the Python path's (tests/test_native_blocks.py): what it saves
-// is the Python interpreter around some 40 operators a layer. Decisions that depend on the forward
-// (the row plan of each product, the flat attention's parts, where new K/V go) are made in Python
-// once per forward and passed in.
+// The loop calls the same operators, in the same order and on the same operands, as the Python path:
+// fast/compute/lean_llama.py's LeanBlock.forward with these kernels, the SlotCache's update
+// (fast/compute/slot_cache.py), fast/compute/attention.py's flat_attention and plain_attention, and
+// fast/compute/kernels.py's choice of product. So its output is bitwise the Python path's
+// (tests/test_native_blocks.py): what it saves is the Python interpreter around some 30 operators a
+// layer. Decisions that depend on the forward (the row plan of each product, the flat attention's parts,
+// where new K/V go) are made in Python once per forward and passed in.
+//
+// The element-wise kernels (RMS norm, rotation, SiLU product) each replace 3-8 of torch's operators and
+// their temporaries by one pass over the rows. Each computes every row on its own, in an order that does
+// not depend on how many rows there are, so a row's result is the same in a decoding step and in a
+// verify (row invariance, I8).
 #include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 
 using at::Tensor;
 
 namespace {
 
+// ---- element-wise kernels -------------------------------------------------------------------------
+
+// exp(x) in float: Cephes' expf (range reduction by n ln 2 in two parts, a degree-6 polynomial), written
+// without branches or library calls so that loops over it vectorize; within 2 ulp of std::exp on
+// [-87, 88]; 0 below, and x clamped at 88.
+inline float exp_float(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = clamped * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  float r = clamped - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : y * scale;
+}
+inline double exp_of(double x) { return std::exp(x); }  // float64: the library's, correctly rounded or nearly
+inline float exp_of(float x) { return exp_float(x); }
+
+template <typename T> struct Acc { using type = float; };   // what a T row computes in
+template <> struct Acc<double> { using type = double; };
+
+constexpr int LANES = 16;  // partial sums kept side by side: a fixed order, whatever the row count
+
+// x [.., width] -> x * rsqrt(mean(x^2) + eps) * weight, each row alone (torch.rms_norm up to rounding).
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const Tensor input = x.contiguous();
+  const Tensor w = weight.to(x.scalar_type()).contiguous();
+  Tensor out = at::empty_like(input);
+  const int64_t width = input.size(-1), rows = width ? input.numel() / width : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "rms_norm", [&] {
+    using A = typename Acc<scalar_t>::type;
+    const scalar_t* in = input.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* a = in + r * width;
+      A part[LANES] = {};  // part[j]: the squares of a[d] for d % LANES == j, in order of d
+      int64_t d = 0;
+      for (; d + LANES <= width; d += LANES)
+        for (int j = 0; j < LANES; ++j) part[j] += A(a[d + j]) * A(a[d + j]);
+      for (int j = 0; d + j < width; ++j) part[j] += A(a[d + j]) * A(a[d + j]);
+      for (int half = LANES / 2; half >= 1; half /= 2)
+        for (int j = 0; j < half; ++j) part[j] += part[j + half];
+      const A inverse = A(1) / std::sqrt(part[0] / A(width) + A(eps));
+      for (d = 0; d < width; ++d) o[r * width + d] = scalar_t(A(a[d]) * inverse * A(wp[d]));
+    }
+  });
+  return out;
+}
+
+// x [B, Q, heads, D] (rows of D contiguous), cos and signed_sin [B, Q, 1, D]: x * cos + x.roll(D / 2) *
+// signed_sin (transformers' rotary embedding: see lean_llama.rotate), contiguous.
+Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
+  const Tensor input = x.stride(-1) == 1 ? x : x.contiguous();
+  const Tensor c = cos.to(x.scalar_type()).contiguous(), s = signed_sin.to(x.scalar_type()).contiguous();
+  const int64_t batch = input.size(0), queries = input.size(1), heads = input.size(2), dim = input.size(3);
+  const int64_t half = dim / 2;
+  Tensor out = at::empty({batch, queries, heads, dim}, input.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "rotate", [&] {
+    using A = typename Acc<scalar_t>::type;
+    const scalar_t* in = input.data_ptr<scalar_t>();
+    const scalar_t* cp = c.data_ptr<scalar_t>();
+    const scalar_t* sp = s.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t q = 0; q < queries; ++q) {
+        const int64_t angle = (b * queries + q) * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* a = in + b * input.stride(0) + q * input.stride(1) + h * input.stride(2);
+          scalar_t* y = o + ((b * queries + q) * heads + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            const A rolled = A(a[d < half ? d + half : d - half]);
+            y[d] = scalar_t(A(scalar_t(A(a[d]) * A(cp[angle + d]))) + A(scalar_t(rolled * A(sp[angle + d]))));
+          }
+        }
+      }
+  });
+  return out;
+}
+
+// gate_up [.., 2 I] (gate, then up) -> silu(gate) * up [.., I], silu(g) = g / (1 + exp(-g)).
+Tensor silu_mul(const Tensor& gate_up) {
+  const Tensor input = gate_up.contiguous();
+  const int64_t width = input.size(-1) / 2, rows = width ? input.numel() / (2 * width) : 0;
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = width;
+  Tensor out = at::empty(shape, input.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "silu_mul", [&] {
+    using A = typename Acc<scalar_t>::type;
+    const scalar_t* in = input.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* g = in + r * 2 * width;
+      const scalar_t* u = g + width;
+      for (int64_t d = 0; d < width; ++d) {
+        const A gate = A(g[d]);
+        o[r * width + d] = scalar_t(gate / (A(1) + exp_of(-gate)) * A(u[d]));
+      }
+    }
+  });
+  return out;
+}
+
 // One linear layer: torch's product on `weight` (plan 0), or oneDNN's on its prepacked copy with the
 // rows padded to `plan` (fast.compute.row_plan.product).
 Tensor product(const Tensor& x, const Tensor& weight, const Tensor& packed, int64_t plan) {
-  if (plan == 0) return at::linear(x, weight);
+  if (plan == 0) {  // at::linear's own path for an input of 2+ dimensions and no bias, one call
+    Tensor out = at::mm(x.reshape({-1, x.size(-1)}), weight.t());
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(out.size(-1));
+    return out.view(shape);
+  }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
@@ -89,11 +215,6 @@ Tensor flat_attention(const Tensor& query, const Tensor& keys, const Tensor& val
   return out;
 }
 
-// rotate: x * cos + x.roll(D / 2) * signed_sin (transformers' rotary embedding, bitwise).
-Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
-  return x * cos + x.roll({x.size(-1) / 2}, {-1}) * signed_sin;
-}
-
 }  // namespace
 
 // Every block of a flat forward. Per layer l: norms[2l], norms[2l + 1] (attention and MLP norm
@@ -117,7 +238,7 @@ Tensor flat_blocks(Tensor hidden, const Tensor& cos, const Tensor& signed_sin, c
   for (size_t l = 0; l < keys.size(); ++l) {
     const Tensor* w = &weights[4 * l];
     const Tensor* p = &packed[4 * l];
-    Tensor x = at::rms_norm(hidden, {width}, norms[2 * l], eps);
+    Tensor x = rms_norm(hidden, norms[2 * l], eps);
     Tensor qkv = product(x, w[0], p[0], plans[0]).view({batch, queries, -1, head_dim});  // [B, Q, H + 2 Hkv, D]
     Tensor qk = rotate(qkv.slice(2, 0, rotated), cos, signed_sin);
     Tensor q = qk.slice(2, 0, heads).transpose(1, 2);
@@ -131,13 +252,15 @@ Tensor flat_blocks(Tensor hidden, const Tensor& cos, const Tensor& signed_sin, c
     if (key.scalar_type() != q.scalar_type()) q = q.to(key.scalar_type());
     Tensor out = flat_attention(q, key, value, parts, scaling, sdpa).to(hidden.scalar_type());  // [1, T, H, D]
     hidden = hidden + product(out.reshape({batch, queries, -1}), w[1], p[1], plans[1]);
-    x = at::rms_norm(hidden, {width}, norms[2 * l + 1], eps);
-    std::vector<Tensor> gate_up = product(x, w[2], p[2], plans[2]).chunk(2, -1);
-    hidden = hidden + product(at::silu(gate_up[0]) * gate_up[1], w[3], p[3], plans[3]);
+    x = rms_norm(hidden, norms[2 * l + 1], eps);
+    hidden = hidden + product(silu_mul(product(x, w[2], p[2], plans[2])), w[3], p[3], plans[3]);
   }
   return hidden;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flat_blocks", &flat_blocks, "every block of a lean Llama flat forward");
+  m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * weight, row by row");
+  m.def("rotate", &rotate, "x * cos + x.roll(D / 2) * signed_sin, contiguous");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up product");
 }
