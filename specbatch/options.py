@@ -72,8 +72,9 @@ class GenerateOptions:
     lean: bool = _option(True, "run Llama-architecture models through fast.compute.lean_llama (fused q/k/v and gate/up "
                                "products, fused norms: fewer operations per layer); other models run as they are")
     native: bool = _option(True, "run the lean forward's blocks of ragged decode and verify steps in one C++ call, "
-                                 "bitwise the same (fast.compute.native: compiled once per machine; Python where "
-                                 "it cannot be built)")
+                                 "and its RMS norms, rotations and SiLU products as one vectorized kernel each "
+                                 "(fast.compute.native: compiled once per machine; torch's operators in Python "
+                                 "where it cannot be built)")
     max_wait: int = _option(4, "exspec: rounds a row may wait for a same-length group")
     pool_window: int | None = _option(None, "exspec: rows the pool looks at (None: 4 x batch_size)")
 

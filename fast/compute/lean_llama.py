@@ -6,9 +6,11 @@ its weights in cache and 3.7 ms after a target forward had streamed through memo
 hundred small tensor operations. This module computes the same function with less of it:
 - the q/k/v projections and the gate/up projections each fused into one product (7 products a
   layer become 4),
-- RMS norms by torch's fused rms_norm, the rotary angles computed once per forward by the model's
-  own rotary module and applied to the query and key heads together with the arithmetic of
-  transformers' apply_rotary_pos_emb (`rotary_angles`),
+- the rotary angles computed once per forward by the model's own rotary module and applied to the
+  query and key heads together (`rotary_angles`), with the arithmetic of transformers'
+  apply_rotary_pos_emb,
+- RMS norms, the rotation and the SiLU product by torch's operators (`TorchOps`), or where the
+  engine runs native (fast.compute.native.element_ops) by one C++ kernel each,
 - the linear layers called through their forward, without nn.Module's call machinery: hooks on the
   model's o_proj and down_proj do not run in the lean forward (those on its q/k/v, gate and up
   projections never could: the fused copies compute them),

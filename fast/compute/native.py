@@ -1,13 +1,22 @@
-"""The lean forward's block loop in C++, for the ragged strategy's decode and verify steps.
+"""The lean forward's block loop in C++, for the ragged strategy's decode and verify steps, and the
+element-wise kernels of every lean forward.
 
 At batch 1 a decoding step of SmolLM2-135M runs about 40 small operators a layer between its four
 products, and the Python interpreter around them costs about as much again as the operators
 themselves. native_blocks.cpp runs the lean forward's 30 blocks (fast.compute.lean_llama) for a flat
-forward (fast.compute.attention.flat_attention over a SlotCache) as one C++ call: the same ATen
-operators in the same order on the same operands, so its output is bitwise the Python path's
-(tests/test_native_blocks.py). Everything that depends on the forward is decided here in Python,
-once per forward instead of once per layer: each product's row plan (fast.compute.kernels), the
-flat attention's parts, and the cache slots the new keys and values go to.
+forward (fast.compute.attention.flat_attention over a SlotCache) as one C++ call: the same operators
+in the same order on the same operands as the Python loop, so its output is bitwise the Python
+loop's (tests/test_native_blocks.py). Everything that depends on the forward is decided here in
+Python, once per forward instead of once per layer: each product's row plan (fast.compute.kernels),
+the flat attention's parts, and the cache slots the new keys and values go to.
+
+Three of a block's steps are kernels of their own (`element_ops`): the RMS norm, the rotation and the
+SiLU product, each one pass per row where torch runs 3-8 operators and their temporaries (torch's
+rms_norm is composite on the CPU). Both loops use them whenever the extension is built, so the two
+stay bitwise equal; each row is computed alone in an order that does not depend on the row count,
+so a row's result is the same in a decode step and in a verify (I8). They equal torch's steps up
+to rounding (tests/test_native_blocks.py). The build uses the vector instructions torch found on
+the CPU (`compile_flags`).
 
 The extension is compiled by torch.utils.cpp_extension with the machine's C++ compiler the first time
 a process needs it (about 30 seconds on 2 cores), and kept in the specbatch cache folder
