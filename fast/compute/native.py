@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from .attention import current_plan
 from . import kernels
+from .attention import current_plan
 from .kernels import PackedForward
 from .row_plan import PLAIN
 from .slot_cache import SlotCache
@@ -140,37 +140,36 @@ def _parts(parts) -> tuple[list, list]:
     return ints, tensors
 
 
-def _block_lists(decoder):
-    """What flat_blocks passes for decoder's blocks, made once per decoder and kept while no forward
-    was swapped since (kernels.swaps()) and the first block holds the same weight: per kind of product
-    (q/k/v, output, gate/up, down) the first block's module, and per block its norm weights, weights
-    and the weights its product reads (packed, or the weight itself). None where a block's product is
-    one the C++ loop cannot reproduce, or is prepacked unlike the first block's (one shape class per
-    kind)."""
-    first = decoder.blocks[0]
-    key = (kernels.swaps(), len(decoder.blocks), id(first.qkv.weight))
-    cached = _LISTS.get(decoder)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+def _gather(decoder):
+    """Per kind of product (q/k/v, output, gate/up, down) the first block's module, and per block its
+    norm weights, weights and the weights its products read (packed, or the weight itself); None
+    where a block's product is one the C++ loop cannot reproduce, or is prepacked unlike the first
+    block's (one shape class per kind)."""
     kinds = lambda block: (block.qkv, block.o, block.gate_up, block.down)  # noqa: E731
+    first = decoder.blocks[0]
     unpacked = [_forward(linear) is None for linear in kinds(first)]
     norms, weights, packed = [], [], []
-    lists = None
     for block in decoder.blocks:
         for linear, plain in zip(kinds(block), unpacked):
             forward = _forward(linear)
             if forward is False or (forward is None) != plain:
-                break  # a forward replaced by something else, or prepacked unlike the first block's
+                return None  # a forward replaced by something else, or prepacked unlike the first block's
             packed.append(linear.weight if forward is None else forward.packed)
-        else:
-            norms += [block.attention_norm, block.mlp_norm]
-            weights += [block.qkv.weight, block.o.weight, block.gate_up.weight, block.down.weight]
-            continue
-        break
-    else:
-        lists = (kinds(first), norms, weights, packed)
-    _LISTS[decoder] = (key, lists)
-    return lists
+        norms += [block.attention_norm, block.mlp_norm]
+        weights += [block.qkv.weight, block.o.weight, block.gate_up.weight, block.down.weight]
+    return kinds(first), norms, weights, packed
+
+
+def _block_lists(decoder):
+    """_gather(decoder), made once per decoder and kept while no forward was swapped since
+    (kernels.swaps(): a weight changed in place is repacked at the next swap) and its first block
+    holds the same weight."""
+    key = (kernels.swaps(), len(decoder.blocks), id(decoder.blocks[0].qkv.weight))
+    cached = _LISTS.get(decoder)
+    if cached is None or cached[0] != key:
+        cached = (key, _gather(decoder))
+        _LISTS[decoder] = cached
+    return cached[1]
 
 
 def flat_blocks(decoder, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, cache):
