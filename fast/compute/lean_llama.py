@@ -116,7 +116,7 @@ class LeanBlock(torch.nn.Module):
     def forward(self, hidden, cos, signed_sin, mask, cache, index: int, ops=TORCH_OPS):
         """cos, signed_sin: rotary_angles of the forward's positions. ops: the element-wise steps'
         kernels (TORCH_OPS, or fast.compute.native.element_ops)."""
-        batch, queries, width = hidden.shape
+        batch, queries, _ = hidden.shape
         x = ops.rms_norm(hidden, self.attention_norm, self.eps)
         qkv = self.qkv.forward(x).view(batch, queries, -1, self.head_dim)  # [B, Q, H + 2 Hkv, D]
         rotated = self.heads + self.kv_heads

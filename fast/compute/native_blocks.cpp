@@ -85,9 +85,14 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 // signed_sin (transformers' rotary embedding: see lean_llama.rotate), contiguous.
 Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
   const Tensor input = x.stride(-1) == 1 ? x : x.contiguous();
-  const Tensor c = cos.to(x.scalar_type()).contiguous(), s = signed_sin.to(x.scalar_type()).contiguous();
   const int64_t batch = input.size(0), queries = input.size(1), heads = input.size(2), dim = input.size(3);
   const int64_t half = dim / 2;
+  // [B, Q, 1, D] rows of angles, one per (b, q), as broadcasting would read them: no copy where they
+  // already are
+  const auto angles = [&](const Tensor& t) {
+    return t.to(x.scalar_type()).expand({batch, queries, 1, dim}).contiguous();
+  };
+  const Tensor c = angles(cos), s = angles(signed_sin);
   Tensor out = at::empty({batch, queries, heads, dim}, input.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "rotate", [&] {
     using A = typename Acc<scalar_t>::type;
@@ -134,15 +139,18 @@ Tensor silu_mul(const Tensor& gate_up) {
   return out;
 }
 
+// out [rows, N], the product of x [.., K] flattened to rows, in x's leading shape: [.., N].
+Tensor leading_shape(const Tensor& out, const Tensor& x) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(out.size(-1));
+  return out.view(shape);
+}
+
 // One linear layer: torch's product on `weight` (plan 0), or oneDNN's on its prepacked copy with the
 // rows padded to `plan` (fast.compute.row_plan.product).
 Tensor product(const Tensor& x, const Tensor& weight, const Tensor& packed, int64_t plan) {
-  if (plan == 0) {  // at::linear's own path for an input of 2+ dimensions and no bias, one call
-    Tensor out = at::mm(x.reshape({-1, x.size(-1)}), weight.t());
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-    shape.push_back(out.size(-1));
-    return out.view(shape);
-  }
+  if (plan == 0)  // at::linear's own path for an input of 2+ dimensions and no bias, one call
+    return leading_shape(at::mm(x.reshape({-1, x.size(-1)}), weight.t()), x);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
@@ -152,10 +160,7 @@ Tensor product(const Tensor& x, const Tensor& weight, const Tensor& packed, int6
   if (plan == rows) return op.call(x, packed, std::nullopt, "none", no_scalars, "");
   Tensor flat = x.reshape({rows, x.size(-1)});
   flat = at::cat({flat, flat.narrow(0, 0, 1).expand({plan - rows, -1})});  // copies of row 0, dropped below
-  Tensor out = op.call(flat, packed, std::nullopt, "none", no_scalars, "");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(out.size(-1));
-  return out.narrow(0, 0, rows).reshape(shape);
+  return leading_shape(op.call(flat, packed, std::nullopt, "none", no_scalars, "").narrow(0, 0, rows), x);
 }
 
 // plain_attention: softmax(q k^T * scaling + mask) v for q [B, H, Q, D], k/v [B, Hkv, S, D], mask
@@ -233,7 +238,7 @@ Tensor flat_blocks(Tensor hidden, const Tensor& cos, const Tensor& signed_sin, c
     const Tensor* t = &part_tensors[5 * i];
     parts.push_back(Part{a[0], a[1], a[2], a[3], a[4], t[0], t[1], t[2], t[3], t[4]});
   }
-  const int64_t batch = hidden.size(0), queries = hidden.size(1), width = hidden.size(2);
+  const int64_t batch = hidden.size(0), queries = hidden.size(1);
   const int64_t rotated = heads + kv_heads;
   for (size_t l = 0; l < keys.size(); ++l) {
     const Tensor* w = &weights[4 * l];

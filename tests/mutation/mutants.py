@@ -676,7 +676,7 @@ MUTANTS = [
      ".index_copy_(0, write, v.reshape({-1, v.size(-1)})", ".index_copy_(0, write, k.reshape({-1, k.size(-1)})",
      NATIVE),
     ("native-padded-product-keeps-the-wrong-rows", "native blocks", "fast/compute/native_blocks.cpp",
-     "return out.narrow(0, 0, rows).reshape(shape);", "return out.narrow(0, plan - rows, rows).reshape(shape);",
+     '"").narrow(0, 0, rows), x);', '"").narrow(0, plan - rows, rows), x);',
      NATIVE),
     ("native-single-part-shortcut-for-gathered-queries", "native blocks", "fast/compute/native_blocks.cpp",
      "if (parts.size() == 1 && part.run_start >= 0) return o.unsqueeze(0);",
