@@ -1,8 +1,10 @@
 """Prefill cost of a workload: packed (the engine's way), one prompt per forward, and the padded
-rectangle the engine used before, all through the engine's forward path (its lean forward and
-attention, prepacked linear layers) into the same slot cache, beside the floor: the linear
+rectangle the engine used before, all through the engine's forward path (its lean forward with the
+native element-wise kernels, its attention, prepacked linear layers, K/V stored in the dtype the
+engine stores them in) into the same slot cache, beside the floor: the linear
 products of the engine's packs alone (each pack's tokens through every layer's prepacked products,
-the head on one row per pack). The variants alternate, in reverse order every second repeat, and a
+the head on one row per pack), and that plus the causal attention of each prompt alone (SDPA's kernel on
+its own queries, keys and values, every layer), the two parts whose work grows with the tokens. The variants alternate, in reverse order every second repeat, and a
 calibration before and after says whether the run may be quoted (specbatch.cli.calibration).
 
     python benchmarks/prefill_cost.py --target smollm2 --prompts prompts.jsonl --per-category 1 \
@@ -37,7 +39,7 @@ def main():
     from specbatch.fast.loading import load_model
     from specbatch.fast.models import ModelRunner, mask_fill_value
     from specbatch.fast.compute.slot_cache import SlotCache
-    from specbatch.fast.compute.slot_forward import ragged_inputs
+    from specbatch.fast.compute.slot_forward import ragged_inputs, storage_dtype
 
     model, tokenizer = load_model(args.target, args.dtype)
     prompts = select_prompts(args.prompts, args.per_category)
@@ -45,21 +47,22 @@ def main():
     dtype = next(model.parameters()).dtype
     settings = Settings(k=0, eos_ids=(), window=None, dtype=dtype, device=torch.device("cpu"),
                         fill=mask_fill_value(dtype))
-    runner = ModelRunner(model, lean=True)  # as the engine runs it (lean=True by default)
+    runner = ModelRunner(model, lean=True, native=True)  # as the engine runs it (both on by default)
+    kv_dtype = storage_dtype(runner, settings)
     rows, width = len(contents), max(len(c) for c in contents)
 
     def packed(budget):
         def run():
             saved, prefill.PACK_TOKENS = prefill.PACK_TOKENS, budget
             try:
-                cache = SlotCache(runner.num_layers, rows, width + 1, settings.device)
+                cache = SlotCache(runner.num_layers, rows, width + 1, settings.device, kv_dtype)
                 prefill.prefill_into(runner, cache, contents, list(range(rows)), [0] * rows, settings)
             finally:
                 prefill.PACK_TOKENS = saved
         return run
 
     def rectangle():
-        cache = SlotCache(runner.num_layers, rows, width + 1, settings.device)
+        cache = SlotCache(runner.num_layers, rows, width + 1, settings.device, kv_dtype)
         query = torch.arange(width)[None, :] - (width - torch.tensor([len(c) for c in contents]))[:, None]
         ids = torch.tensor([[0] * (width - len(c)) + c for c in contents])
         cache.prepare(rows, query, width)
@@ -81,6 +84,7 @@ def main():
                 variants[name]()
                 times[name].append(time.perf_counter() - start)
         floor = products_floor(leans[0] if leans else model, pack_sizes)
+        attention = attention_floor(model.config, [len(c) for c in contents], dtype)
         after = calibration.calibrate()
     results = {name: statistics.median(t) for name, t in times.items()}
     real = sum(len(c) for c in contents)
@@ -88,10 +92,14 @@ def main():
     print(f"{rows} prompts, {real} real tokens to prefill ({rows} x {width} = {rows * width} padded), {args.dtype}, "
           f"median of {args.repeats}, alternating; machine: {describe_machine()['summary']}\n")
     print(calibration.describe(before, after, calibration.verdict(before, after)) + "\n")
-    print("| prefill | seconds | vs one prompt per forward | vs the products of the engine's packs |\n|---|---|---|---|")
+    both = floor + attention
+    print("| prefill | seconds | vs one prompt per forward | vs the products of the engine's packs "
+          "| vs those products and each prompt's attention |\n|---|---|---|---|---|")
     for name, seconds in results.items():
-        print(f"| {name} | {seconds:.2f} | {seconds / one:.2f}x | {seconds / floor:.2f}x |")
-    print(f"| the linear products of the engine's {len(pack_sizes)} packs alone | {floor:.2f} | | 1.00x |")
+        print(f"| {name} | {seconds:.2f} | {seconds / one:.2f}x | {seconds / floor:.2f}x | {seconds / both:.2f}x |")
+    print(f"| the linear products of the engine's {len(pack_sizes)} packs alone | {floor:.2f} | | 1.00x | |")
+    print(f"| those products and each prompt's causal attention alone ({attention:.2f} s) | {both:.2f} | "
+          f"| {both / floor:.2f}x | 1.00x |")
 
 
 def products_floor(model, pack_sizes: list[int], repeats: int = 3) -> float:
@@ -109,6 +117,30 @@ def products_floor(model, pack_sizes: list[int], repeats: int = 3) -> float:
         for tokens in pack_sizes:
             for m in linears:
                 m(inputs[(1 if m is head else tokens, m.in_features)])
+    once()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def attention_floor(config, lengths: list[int], dtype, repeats: int = 3) -> float:
+    """Seconds of the causal attention of each prompt alone, every layer: SDPA's kernel on queries,
+    keys and values of the prompt's length in `dtype` (what the engine's packed prefill computes per
+    prompt, fast.compute.attention.segment_attention); the fastest of `repeats` passes."""
+    import torch.nn.functional as F
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shapes = [(torch.randn(1, heads, n, head_dim, dtype=dtype), torch.randn(1, kv_heads, n, head_dim, dtype=dtype),
+               torch.randn(1, kv_heads, n, head_dim, dtype=dtype)) for n in lengths]
+
+    def once():
+        for _ in range(config.num_hidden_layers):
+            for q, k, v in shapes:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim ** -0.5,
+                                               enable_gqa=heads != kv_heads)
     once()
     best = float("inf")
     for _ in range(repeats):

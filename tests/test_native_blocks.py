@@ -28,7 +28,8 @@ def test_the_extension_builds_where_there_is_a_compiler():
 def test_the_element_wise_kernels_compute_torchs_steps_each_row_on_its_own(dtype):
     """rms_norm, rotate and silu_mul against lean_llama.TorchOps up to rounding (widths that are and
     are not a multiple of the kernels' 16 lanes; the rotation reads the q/k heads of a wider q/k/v
-    product); and a row's result is bitwise the same alone and among 13 rows (I8)."""
+    product); and a row's result is bitwise the same alone, among 13 rows (one thread) and among 300
+    rows (a prefill's, shared among threads when torch has more than one) (I8)."""
     kernels, ops = native.extension(), lean_llama.TORCH_OPS
     generator = torch.Generator().manual_seed(3)
     randn = lambda *shape: (4 * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)  # noqa: E731
@@ -50,6 +51,16 @@ def test_the_element_wise_kernels_compute_torchs_steps_each_row_on_its_own(dtype
     close(kernels.rotate(qkv[:, :, :4], cos, signed_sin), ops.rotate(qkv[:, :, :4], cos, signed_sin))
     assert torch.equal(kernels.rotate(qkv[:, 5:6, :4], cos[:, 5:6], signed_sin[:, 5:6]),
                        kernels.rotate(qkv[:, :, :4], cos, signed_sin)[:, 5:6])
+    many = 300  # rows enough to pass torch's grain of element-wise work: split among the threads
+    x, weight, gate_up = randn(1, many, 576), randn(576), randn(1, many, 2 * 576)
+    qkv, cos, signed_sin = randn(1, many, 6, 64), randn(1, many, 1, 64), randn(1, many, 1, 64)
+    together = (kernels.rms_norm(x, weight, 1e-5), kernels.silu_mul(gate_up),
+                kernels.rotate(qkv[:, :, :4], cos, signed_sin))
+    for row in (0, 151, many - 1):
+        alone = (kernels.rms_norm(x[:, row:row + 1], weight, 1e-5), kernels.silu_mul(gate_up[:, row:row + 1]),
+                 kernels.rotate(qkv[:, row:row + 1, :4], cos[:, row:row + 1], signed_sin[:, row:row + 1]))
+        assert all(torch.equal(a, t[:, row:row + 1]) for a, t in zip(alone, together))
+    close(together[2], ops.rotate(qkv[:, :, :4], cos, signed_sin))
     if dtype == torch.float32:  # SiLU's exp over its whole range: saturated, tiny and ordinary gates
         gate_up = torch.tensor([[-200.0, -87.5, -30.0, -1e-3, 0.0, 2.5, 40.0, 200.0] + [1.0] * 8])
         close(kernels.silu_mul(gate_up), ops.silu_mul(gate_up))

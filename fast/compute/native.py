@@ -52,11 +52,13 @@ _LISTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # decoder -> 
 
 
 def compile_flags() -> list[str]:
-    """-O3, and the vector instructions torch uses on this CPU (its CPU capability), so that the
-    element-wise kernels' loops vectorize as wide as torch's own."""
+    """-O3, the vector instructions torch uses on this CPU (its CPU capability), so that the
+    element-wise kernels' loops vectorize as wide as torch's own, and OpenMP where torch uses it, so
+    that at::parallel_for shares a prefill's rows among torch's threads (without it, it runs one)."""
     isa = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
            "AVX2": ["-mavx2", "-mfma"]}.get(torch.backends.cpu.get_cpu_capability(), [])
-    return ["-O3", "-fno-math-errno", "-fno-trapping-math", *isa]  # no errno or traps: loops over exp vectorize
+    threads = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    return ["-O3", "-fno-math-errno", "-fno-trapping-math", *isa, *threads]  # no errno or traps: exp vectorizes
 
 
 def build_name() -> str:
@@ -89,7 +91,8 @@ def _build():
         if not any(folder.glob(f"{name}*.so")):
             print("specbatch: compiling the native block loop (once per machine and torch version, about 30 s)",
                   file=sys.stderr)
-        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=compile_flags(), build_directory=str(folder),
+        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=compile_flags(),
+                                  extra_ldflags=[flag for flag in compile_flags() if flag == "-fopenmp"], build_directory=str(folder),
                                   verbose=False)
     except Exception as error:  # no compiler, ninja or headers, an unwritable cache: Python computes the same
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]

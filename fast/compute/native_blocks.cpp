@@ -12,7 +12,10 @@
 // The element-wise kernels (RMS norm, rotation, SiLU product) each replace 3-8 of torch's operators and
 // their temporaries by one pass over the rows. Each computes every row on its own, in an order that does
 // not depend on how many rows there are, so a row's result is the same in a decoding step and in a
-// verify (row invariance, I8).
+// verify (row invariance, I8), and whichever thread computes it: rows are shared among torch's threads
+// in runs of at least torch's grain of element-wise work (at::internal::GRAIN_SIZE elements), so a
+// decoding step's few rows stay on one thread and a prefill's hundreds use them all.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -52,6 +55,11 @@ inline float exp_of(float x) { return exp_float(x); }
 template <typename T> struct Acc { using type = float; };   // what a T row computes in
 template <> struct Acc<double> { using type = double; };
 
+// f(first, last) over [0, rows) in runs of at least GRAIN_SIZE elements (`width` a row), on torch's threads.
+template <typename F> void over_rows(int64_t rows, int64_t width, const F& f) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, width)), f);
+}
+
 constexpr int LANES = 16;  // partial sums kept side by side: a fixed order, whatever the row count
 
 // x [.., width] -> x * rsqrt(mean(x^2) + eps) * weight, each row alone (torch.rms_norm up to rounding).
@@ -65,18 +73,20 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
     const scalar_t* in = input.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* a = in + r * width;
-      A part[LANES] = {};  // part[j]: the squares of a[d] for d % LANES == j, in order of d
-      int64_t d = 0;
-      for (; d + LANES <= width; d += LANES)
-        for (int j = 0; j < LANES; ++j) part[j] += A(a[d + j]) * A(a[d + j]);
-      for (int j = 0; d + j < width; ++j) part[j] += A(a[d + j]) * A(a[d + j]);
-      for (int half = LANES / 2; half >= 1; half /= 2)
-        for (int j = 0; j < half; ++j) part[j] += part[j + half];
-      const A inverse = A(1) / std::sqrt(part[0] / A(width) + A(eps));
-      for (d = 0; d < width; ++d) o[r * width + d] = scalar_t(A(a[d]) * inverse * A(wp[d]));
-    }
+    over_rows(rows, width, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        const scalar_t* a = in + r * width;
+        A part[LANES] = {};  // part[j]: the squares of a[d] for d % LANES == j, in order of d
+        int64_t d = 0;
+        for (; d + LANES <= width; d += LANES)
+          for (int j = 0; j < LANES; ++j) part[j] += A(a[d + j]) * A(a[d + j]);
+        for (int j = 0; d + j < width; ++j) part[j] += A(a[d + j]) * A(a[d + j]);
+        for (int half = LANES / 2; half >= 1; half /= 2)
+          for (int j = 0; j < half; ++j) part[j] += part[j + half];
+        const A inverse = A(1) / std::sqrt(part[0] / A(width) + A(eps));
+        for (d = 0; d < width; ++d) o[r * width + d] = scalar_t(A(a[d]) * inverse * A(wp[d]));
+      }
+    });
   });
   return out;
 }
@@ -100,9 +110,9 @@ Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
     const scalar_t* cp = c.data_ptr<scalar_t>();
     const scalar_t* sp = s.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t q = 0; q < queries; ++q) {
-        const int64_t angle = (b * queries + q) * dim;
+    over_rows(batch * queries, heads * dim, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t b = i / queries, q = i % queries, angle = i * dim;
         for (int64_t h = 0; h < heads; ++h) {
           const scalar_t* a = in + b * input.stride(0) + q * input.stride(1) + h * input.stride(2);
           scalar_t* y = o + ((b * queries + q) * heads + h) * dim;
@@ -112,6 +122,7 @@ Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
           }
         }
       }
+    });
   });
   return out;
 }
@@ -127,14 +138,16 @@ Tensor silu_mul(const Tensor& gate_up) {
     using A = typename Acc<scalar_t>::type;
     const scalar_t* in = input.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* g = in + r * 2 * width;
-      const scalar_t* u = g + width;
-      for (int64_t d = 0; d < width; ++d) {
-        const A gate = A(g[d]);
-        o[r * width + d] = scalar_t(gate / (A(1) + exp_of(-gate)) * A(u[d]));
+    over_rows(rows, 2 * width, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        const scalar_t* g = in + r * 2 * width;
+        const scalar_t* u = g + width;
+        for (int64_t d = 0; d < width; ++d) {
+          const A gate = A(g[d]);
+          o[r * width + d] = scalar_t(gate / (A(1) + exp_of(-gate)) * A(u[d]));
+        }
       }
-    }
+    });
   });
   return out;
 }
