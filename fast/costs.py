@@ -7,10 +7,29 @@ from collections import deque
 import numpy as np
 
 
+def nonnegative_line(xs, ys, weight) -> tuple[float, float]:
+    """(a, b) minimising sum weight * (a + b x - y)^2 subject to a >= 0 and b >= 0: costs neither
+    start below zero nor fall with size. Where the unconstrained line breaks a bound, the best line on
+    that bound (through the origin, or flat): a line through two nearby sizes can be steep and far
+    below zero at the origin, and clipping its intercept without refitting would price every other
+    size far too high. One size seen: the line through the origin and that point."""
+    xs, ys, weight = (np.asarray(v, dtype=float) for v in (xs, ys, weight))
+    if len(xs) >= 2:
+        b, a = np.polyfit(xs, ys, 1, w=np.sqrt(weight))
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+    through_origin = float(np.sum(weight * xs * ys) / np.sum(weight * xs * xs)) if np.any(xs) else 0.0
+    if len(xs) < 2:
+        return 0.0, max(through_origin, 0.0)
+    flat = float(np.average(ys, weights=weight))
+    candidates = [(0.0, max(through_origin, 0.0)), (max(flat, 0.0), 0.0)]
+    return min(candidates, key=lambda line: float(np.sum(weight * (line[0] + line[1] * xs - ys) ** 2)))
+
+
 class LinearCost:
-    """seconds = a + b * x, fitted by weighted least squares through the median of the last
-    `per_size` observations at each x. Medians, so that one round slowed down by the machine does
-    not move the fit; with one x seen, the line goes through the origin and that point."""
+    """seconds = a + b * x, a >= 0 and b >= 0, fitted by weighted least squares (nonnegative_line)
+    through the median of the last `per_size` observations at each x. Medians, so that one round
+    slowed down by the machine does not move the fit."""
 
     def __init__(self, per_size: int = 16):
         self.samples: dict = {}
@@ -28,11 +47,7 @@ class LinearCost:
             xs = np.array(list(self.samples))
             ys = np.array([np.median(v) for v in self.samples.values()])
             weight = np.array([len(v) for v in self.samples.values()], dtype=float)
-            if len(xs) < 2:
-                self.fit = (0.0, float(ys[0] / xs[0]))
-            else:
-                b = max(float(np.polyfit(xs, ys, 1, w=np.sqrt(weight))[0]), 0.0)
-                self.fit = (max(float(np.average(ys - b * xs, weights=weight)), 0.0), b)
+            self.fit = nonnegative_line(xs, ys, weight)
         a, b = self.fit
         return a + b * x
 

@@ -213,15 +213,28 @@ def test_make_policy_names_each_policy_and_refuses_others():
 
 def test_linear_cost_never_prices_below_zero():
     """Measurements that fit a line with a negative intercept or a falling slope (noise, warm-up)
-    give a cost that is never negative: intercept and slope are clamped at 0."""
+    give the best line with neither below zero: through the origin, or flat."""
     rising = LinearCost()  # the fitted line 0.011 x - 0.01 would cost less than nothing below x = 1
     for x, seconds in ((1, 0.001), (10, 0.1)):
         rising.add(x, seconds)
-    assert rising.slope() == pytest.approx(0.011) and rising(0) == 0.0 and rising(1) == pytest.approx(0.011)
+    best = (1 * 0.001 + 10 * 0.1) / (1 + 100)  # least squares through the origin
+    assert rising.slope() == pytest.approx(best) and rising(0) == 0.0 and rising(10) == pytest.approx(10 * best)
     falling = LinearCost()  # the larger size measured faster: the cost does not shrink with the size
     for x, seconds in ((1, 0.05), (8, 0.01)):
         falling.add(x, seconds)
     assert falling.slope() == 0.0 and falling(100) == pytest.approx(0.03) and falling(0) == pytest.approx(0.03)
+
+
+def test_two_nearby_sizes_do_not_price_the_others_far_too_high():
+    """A draft step measured at 13 rows, then once at 12 a little faster: the line through the two
+    is steep and far below zero at the origin. Clipping its intercept at zero without refitting
+    priced 12 rows at 25 ms (four times what was measured), and the policy stopped drafting for
+    the rest of the run; the constrained fit stays among the measurements."""
+    cost = LinearCost()
+    for _ in range(8):
+        cost.add(13, 0.0065)
+    cost.add(12, 0.0044)
+    assert 0.0044 <= cost(12) <= 0.0065 and 0.0044 <= cost(13) <= 0.0066 and cost(0) == 0.0
 
 
 def grow_tree(rule, confidence, runner_ups, model_rows=None, available=None):

@@ -39,6 +39,8 @@ def describe_machine(device: str = "cpu") -> dict:
                 device=str(device), gpu=None)
     if str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    where = info["gpu"] or f"{cpu['model']} ({capability}), {info['cores']} cores, {info['threads']} threads"
+    matrix = [f for f in cpu["flags"] if f in ("avx512_bf16", "amx_bf16", "amx_tile")]  # what bfloat16 runs on
+    isa = f"{capability}; {', '.join(matrix)}" if matrix else capability
+    where = info["gpu"] or f"{cpu['model']} ({isa}), {info['cores']} cores, {info['threads']} threads"
     info["summary"] = f"{where}, torch {torch.__version__}, transformers {transformers.__version__}"
     return info
