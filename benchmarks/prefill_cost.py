@@ -102,6 +102,17 @@ def main():
           f"| {both / floor:.2f}x | 1.00x |")
 
 
+def fastest(once, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of once(), after one to warm up."""
+    once()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def products_floor(model, pack_sizes: list[int], repeats: int = 3) -> float:
     """Seconds of the linear products of a packed prefill alone: each pack's tokens through every
     linear layer of `model` but its output head (inside prepacked_linears: the engine's kernels),
@@ -117,13 +128,7 @@ def products_floor(model, pack_sizes: list[int], repeats: int = 3) -> float:
         for tokens in pack_sizes:
             for m in linears:
                 m(inputs[(1 if m is head else tokens, m.in_features)])
-    once()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return fastest(once, repeats)
 
 
 def attention_floor(config, lengths: list[int], dtype, repeats: int = 3) -> float:
@@ -141,13 +146,7 @@ def attention_floor(config, lengths: list[int], dtype, repeats: int = 3) -> floa
             for q, k, v in shapes:
                 F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim ** -0.5,
                                                enable_gqa=heads != kv_heads)
-    once()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return fastest(once, repeats)
 
 
 if __name__ == "__main__":
