@@ -171,6 +171,32 @@ def test_a_source_that_does_not_build_falls_back_with_one_warning(tmp_path, monk
     assert native.extension() is None  # decided once per process
 
 
+def test_a_compiler_without_openmp_still_builds_it_single_threaded(tmp_path, monkeypatch):
+    """Where torch has OpenMP but the compiler rejects -fopenmp (Apple's clang), the extension is
+    built without it (at::parallel_for then runs on one thread) instead of not at all."""
+    import warnings
+
+    from torch.utils import cpp_extension
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch without OpenMP builds without it anyway")
+    built, sentinel = [], object()
+
+    def load(name, sources, extra_cflags=(), extra_ldflags=(), **kwargs):
+        built.append((name, list(extra_cflags), list(extra_ldflags)))
+        if "-fopenmp" in extra_cflags:
+            raise RuntimeError("clang: error: unsupported option '-fopenmp'")
+        return sentinel
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(native, "_BUILT", {})
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: it was built
+        assert native.extension() is sentinel
+    (first, first_flags, first_links), (second, second_flags, second_links) = built
+    assert "-fopenmp" in first_flags and "-fopenmp" in first_links
+    assert "-fopenmp" not in second_flags + second_links and first != second  # its own cache folder
+
+
 def test_the_cli_turns_it_off():
     from specbatch.cli.commands import build_parser
     from specbatch.options import DEFAULTS

@@ -51,20 +51,21 @@ _BUILT: dict = {}  # "module": the extension, or None where it cannot be built
 _LISTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # decoder -> (key, _block_lists' answer)
 
 
-def compile_flags() -> list[str]:
+def compile_flags(threads: bool = True) -> list[str]:
     """-O3, the vector instructions torch uses on this CPU (its CPU capability), so that the
-    element-wise kernels' loops vectorize as wide as torch's own, and OpenMP where torch uses it, so
-    that at::parallel_for shares a prefill's rows among torch's threads (without it, it runs one)."""
+    element-wise kernels' loops vectorize as wide as torch's own, and (threads) OpenMP where torch
+    uses it, so that at::parallel_for shares a prefill's rows among torch's threads (without it,
+    at::parallel_for runs on one)."""
     isa = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
            "AVX2": ["-mavx2", "-mfma"]}.get(torch.backends.cpu.get_cpu_capability(), [])
-    threads = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    return ["-O3", "-fno-math-errno", "-fno-trapping-math", *isa, *threads]  # no errno or traps: exp vectorizes
+    openmp = ["-fopenmp"] if threads and torch.backends.openmp.is_available() else []
+    return ["-O3", "-fno-math-errno", "-fno-trapping-math", *isa, *openmp]  # no errno or traps: exp vectorizes
 
 
-def build_name() -> str:
+def build_name(threads: bool = True) -> str:
     """The extension's name: one per source, flags, torch version and Python version."""
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags()).encode() + torch.__version__.encode()
-                         + sys.version.encode()).hexdigest()[:12]
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags(threads)).encode()
+                         + torch.__version__.encode() + sys.version.encode()).hexdigest()[:12]
     return f"specbatch_native_{tag}"
 
 
@@ -81,24 +82,28 @@ def extension():
 
 
 def _build():
+    """The extension with OpenMP where torch has it, else (a compiler without it, such as Apple's
+    clang) without; None, with one warning, where neither builds."""
     from torch.utils import cpp_extension
 
     from ..loading import cache_dir
-    name = build_name()
-    folder = cache_dir() / "native" / name
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not any(folder.glob(f"{name}*.so")):
-            print("specbatch: compiling the native block loop (once per machine and torch version, about 30 s)",
-                  file=sys.stderr)
-        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=compile_flags(),
-                                  extra_ldflags=[flag for flag in compile_flags() if flag == "-fopenmp"], build_directory=str(folder),
-                                  verbose=False)
-    except Exception as error:  # no compiler, ninja or headers, an unwritable cache: Python computes the same
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        warnings.warn(f"specbatch: the native block loop could not be built here ({reason}); "
-                      "the lean forward runs its blocks in Python", RuntimeWarning, stacklevel=2)
-        return None
+    tries = (True, False) if "-fopenmp" in compile_flags(True) else (False,)
+    for threads in tries:
+        name = build_name(threads)
+        folder = cache_dir() / "native" / name
+        flags = compile_flags(threads)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if not any(folder.glob(f"{name}*.so")):
+                print("specbatch: compiling the native block loop (once per machine and torch version, about 30 s)",
+                      file=sys.stderr)
+            return cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, build_directory=str(folder),
+                                      extra_ldflags=[f for f in flags if f == "-fopenmp"], verbose=False)
+        except Exception as error:  # no compiler, ninja, headers or OpenMP, an unwritable cache
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    warnings.warn(f"specbatch: the native block loop could not be built here ({reason}); "
+                  "the lean forward runs its blocks in Python", RuntimeWarning, stacklevel=2)
+    return None
 
 
 ELEMENT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
