@@ -197,6 +197,14 @@ def test_a_compiler_without_openmp_still_builds_it_single_threaded(tmp_path, mon
     assert "-fopenmp" not in second_flags + second_links and first != second  # its own cache folder
 
 
+def test_each_environment_builds_its_own(monkeypatch):
+    """Two environments sharing the cache folder get two build folders (a shared one is rebuilt by
+    each in turn: their build arguments differ)."""
+    here = native.build_name()
+    monkeypatch.setattr(native.sys, "prefix", native.sys.prefix + "-another-venv")
+    assert native.build_name() != here
+
+
 def test_the_cli_turns_it_off():
     from specbatch.cli.commands import build_parser
     from specbatch.options import DEFAULTS

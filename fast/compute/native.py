@@ -63,9 +63,11 @@ def compile_flags(threads: bool = True) -> list[str]:
 
 
 def build_name(threads: bool = True) -> str:
-    """The extension's name: one per source, flags, torch version and Python version."""
+    """The extension's name: one per source, flags, torch version, Python version and environment
+    (sys.prefix: two virtual environments sharing the cache folder would otherwise rebuild one
+    folder in turn, each seeing the other's build arguments, some 30 s inside a first generation)."""
     tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags(threads)).encode()
-                         + torch.__version__.encode() + sys.version.encode()).hexdigest()[:12]
+                         + torch.__version__.encode() + sys.version.encode() + sys.prefix.encode()).hexdigest()[:12]
     return f"specbatch_native_{tag}"
 
 
