@@ -205,6 +205,21 @@ def test_each_environment_builds_its_own(monkeypatch):
     assert native.build_name() != here
 
 
+def test_the_bench_builds_it_before_it_times_anything(monkeypatch):
+    """`specbatch bench` prepares the extension with the row plans, before its first timed run (a
+    first compile takes some 30 s); not with native=False."""
+    import dataclasses
+
+    from specbatch.cli.bench import prepare_kernels
+    from specbatch.options import defaults
+    built = []
+    monkeypatch.setattr(native, "extension", lambda: built.append(1))
+    prepare_kernels(None, None, dataclasses.replace(defaults(), prepack=False))
+    assert built == [1]
+    prepare_kernels(None, None, dataclasses.replace(defaults(), prepack=False, native=False))
+    assert built == [1]
+
+
 def test_the_cli_turns_it_off():
     from specbatch.cli.commands import build_parser
     from specbatch.options import DEFAULTS

@@ -410,12 +410,16 @@ def open_journal(path: Path, units, args, opts, target, draft, prompt_file):
 def prepare_kernels(target, draft, opts: GenerateOptions) -> None:
     """Decide the kernel and padding of every row count a decoding step may bring to the linear
     layers (fast.compute.row_plan), so that nothing is measured while a benchmark times its runs.
-    Decided once per machine and kept in the specbatch cache folder."""
+    Decided once per machine and kept in the specbatch cache folder. The native block loop's
+    extension is built (or loaded) here too, so that its first compile is not timed either."""
     import torch
 
     from ..fast.compute import row_plan
     from ..fast.compute.kernels import prepare_row_plans
     from ..fast.models import ModelRunner
+    if opts.native:
+        from ..fast.compute import native
+        native.extension()
     if not opts.prepack:
         return
     models = [m for m in (target, draft) if isinstance(m, torch.nn.Module)]
