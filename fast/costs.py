@@ -18,12 +18,11 @@ def nonnegative_line(xs, ys, weight) -> tuple[float, float]:
         b, a = np.polyfit(xs, ys, 1, w=np.sqrt(weight))
         if a >= 0 and b >= 0:
             return float(a), float(b)
-    through_origin = float(np.sum(weight * xs * ys) / np.sum(weight * xs * xs)) if np.any(xs) else 0.0
+    origin = (0.0, max(float(np.sum(weight * xs * ys) / np.sum(weight * xs * xs)), 0.0) if np.any(xs) else 0.0)
     if len(xs) < 2:
-        return 0.0, max(through_origin, 0.0)
-    flat = float(np.average(ys, weights=weight))
-    candidates = [(0.0, max(through_origin, 0.0)), (max(flat, 0.0), 0.0)]
-    return min(candidates, key=lambda line: float(np.sum(weight * (line[0] + line[1] * xs - ys) ** 2)))
+        return origin
+    flat = (max(float(np.average(ys, weights=weight)), 0.0), 0.0)
+    return min((origin, flat), key=lambda line: float(np.sum(weight * (line[0] + line[1] * xs - ys) ** 2)))
 
 
 class LinearCost:

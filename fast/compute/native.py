@@ -89,8 +89,7 @@ def _build():
     from torch.utils import cpp_extension
 
     from ..loading import cache_dir
-    tries = (True, False) if "-fopenmp" in compile_flags(True) else (False,)
-    for threads in tries:
+    for threads in (True, False) if torch.backends.openmp.is_available() else (False,):
         name = build_name(threads)
         folder = cache_dir() / "native" / name
         flags = compile_flags(threads)
